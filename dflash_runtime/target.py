@@ -1,0 +1,105 @@
+"""Target models (Llama, Qwen3) that return the hidden states DFlash conditions on, beside the logits."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import load_weights, read_safetensors
+from .config import TargetConfig
+from .kv_cache import KVCache
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        s = config.shape
+        self.self_attn = AttentionProjections(s, bias=config.attention_bias, head_norms=config.arch == "qwen3")
+        self.mlp = MLP(s.hidden_size, s.intermediate_size)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(self, h, cos, sin, cache: KVCache, layer: int, slots, positions, mask):
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        k, v = attn.key_value(x, cos, sin)
+        cache.write(layer, slots, positions, k, v)
+        k_all, v_all = cache.read(layer, slots, mask.shape[-1])
+        h = h + attn.attend(attn.query(x, cos, sin), k_all, v_all, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        s = config.shape
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.config = config
+        s = config.shape
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(s.rope, s.head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        s = self.config.shape
+        return KVCache(s.num_layers, num_slots, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                feature_layers: tuple[int, ...] = (), last_only: bool = False, apply_head: bool = True):
+        """Run new tokens of several sequences at once, writing their K/V into the cache.
+
+        tokens, positions: [B, T] (positions are absolute; each row may start at a different length)
+        returns logits [B, T or 1, V] and, if feature_layers, features [B, T, len(feature_layers) * hidden]
+        (the output of each listed layer, i.e. HF hidden_states[layer + 1], concatenated).
+        With apply_head=False the final-normed hidden states come back instead of logits.
+        """
+        h = self.embed(tokens)
+        cos, sin = self.rotary(positions, h.dtype)
+        key_positions = torch.arange(int(positions.max()) + 1, device=positions.device)
+        mask = (key_positions[None, None, None, :] <= positions[:, None, :, None])  # [B, 1, T, L]: causal, ragged
+        selected = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, cache, i, slots, positions, mask)
+            if i in feature_layers:
+                selected[i] = h
+        features = torch.cat([selected[i] for i in feature_layers], dim=-1) if feature_layers else None
+        if last_only:
+            h = h[:, -1:]
+        h = self.model.norm(h)
+        return (self.lm_head(h) if apply_head else h), features
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TargetModel:
+    path = Path(path)
+    config = TargetConfig.from_dir(path)
+    with torch.device("meta"):
+        model = TargetModel(config)
+    state = read_safetensors(path)
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    load_weights(model, state, str(path), dtype, device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()

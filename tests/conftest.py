@@ -1,0 +1,90 @@
+"""Small checkpoints made by the tests: random tiny targets in HF format, tiny drafters in the z-lab format.
+
+A random drafter never agrees with the target, which would leave the acceptance path untested, so one
+drafter per target is also trained briefly on the target's own greedy outputs (random tiny models fall
+into repetitive patterns a drafter learns in seconds).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from builder.train_drafter import block_loss, new_drafter, target_features  # noqa: E402
+from dflash_runtime import SamplingParams, SpeculativeEngine, load_drafter, load_target, save_drafter  # noqa: E402
+
+VOCAB = 128
+EOS = 127
+MASK = 126
+BLOCK = 16
+PROMPTS = [[3, 17, 99, 42, 7], [5, 6], list(range(20, 60)), [9] * 7]
+
+
+def make_target(path: Path, arch: str) -> Path:
+    import transformers
+
+    torch.manual_seed(1 if arch == "qwen3" else 2)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=EOS, bos_token_id=1)
+    if arch == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=16, rope_theta=50000.0, tie_word_embeddings=False)
+        model = transformers.Qwen3ForCausalLM(config)
+    else:  # Llama-3.1 style: tied head, llama3 RoPE scaling. With a tied head and the default init
+        # scale, greedy decoding repeats one token for every prompt; a larger scale gives varied outputs.
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=True, initializer_range=0.12, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    return path
+
+
+def train_tiny_drafter(target_dir: Path, out: Path, steps: int = 300) -> Path:
+    torch.manual_seed(0)
+    target = load_target(target_dir)
+    drafter = new_drafter(target, num_layers=1, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=(1, 3))
+    engine = SpeculativeEngine(target, max_batch_size=8)
+    g = torch.Generator().manual_seed(0)
+    # The test prompts are part of the training prompts: whether a random tiny target's outputs are
+    # learnable otherwise depends on the draw, and the tests need real multi-token acceptance.
+    prompts = PROMPTS + [torch.randint(0, MASK, (int(n),), generator=g).tolist()
+                         for n in torch.randint(3, 12, (32 - len(PROMPTS),), generator=g)]
+    texts = [s.prompt_ids + s.output_ids for s in
+             engine.generate(prompts, SamplingParams(max_new_tokens=64, ignore_eos=True))]
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for step in range(steps):
+        batch = texts[(step * 8) % 32:(step * 8) % 32 + 8]
+        tokens, features, final = target_features(target, batch, drafter.config.target_layer_ids)
+        loss, _, _ = block_loss(drafter, target, tokens, features, final, [len(b) for b in batch], BLOCK, 8, 7.0, g)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    save_drafter(drafter, out, torch.float32)
+    return out
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama"])
+def tiny(request, tmp_path_factory):
+    """(target_dir, trained_drafter_dir) for each architecture (~15 s each to make)."""
+    root = tmp_path_factory.mktemp(request.param)
+    target_dir = make_target(root / "target", request.param)
+    return target_dir, train_tiny_drafter(target_dir, root / "drafter")
+
+
+def load_pair(pair):
+    target = load_target(pair[0])
+    return target, load_drafter(pair[1], target.config)
+
+
+def hf_greedy(target_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=EOS, pad_token_id=EOS)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,65 @@
+"""dflash-generate: JSON output, the autoregressive mode, and clear errors for bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import hf_greedy
+from dflash_runtime.cli import main
+
+
+def generate(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output_is_lossless_and_complete(tiny, capsys):
+    target, drafter = map(str, tiny)
+    code, out, _ = generate(capsys, "--target", target, "--drafter", drafter, "--prompt-ids", "3,17,99",
+                            "--max-new-tokens", "30", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["output_ids"] == hf_greedy(tiny[0], [3, 17, 99], 30)
+    assert result["block_size"] == 16
+    assert sum(result["acceptance_lengths"]) >= len(result["output_ids"]) - 1
+    assert result["tokens_per_second"] > 0 and "text" not in result  # the tiny target has no tokenizer
+
+    code, out, _ = generate(capsys, "--target", target, "--prompt-ids", "3,17,99", "--max-new-tokens", "30",
+                            "--block-size", "1", "--json")
+    plain = json.loads(out)
+    assert code == 0 and plain["output_ids"] == result["output_ids"] and set(plain["acceptance_lengths"]) == {1}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt-ids", ""], "empty prompt"),
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt-ids", "1", "--block-size", "0"], "block size must be >= 1"),
+    (["--prompt-ids", "1", "--block-size", "32"], "larger than the drafter supports"),
+    (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
+    (["--prompt-ids", "1", "--top-p", "1.5"], "top_p"),
+    (["--prompt-ids", "1", "--temperature", "-1"], "temperature"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt-ids", ",".join(["5"] * 20), "--max-context", "16"], "context limit"),
+    (["--prompt", "hello"], "no tokenizer"),
+    (["--prompt-ids", "1", "--drafter", "/nonexistent/drafter"], "not found locally"),
+])
+def test_bad_input_is_a_clear_error(tiny, capsys, argv, message):
+    code, out, err = generate(capsys, "--target", str(tiny[0]), "--drafter", str(tiny[1]), *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_unknown_preset_lists_the_known_ones(capsys):
+    code, _, err = generate(capsys, "--target", "qwen9-1t", "--prompt-ids", "1")
+    assert code == 2 and "neither a preset" in err and "qwen3-8b" in err
+
+
+def test_console_script_exits_nonzero_without_traceback(tiny):
+    exe = shutil.which("dflash-generate")
+    assert exe, "the package's console script is not installed"
+    run = subprocess.run([exe, "--target", str(tiny[0]), "--prompt-ids", "1", "--top-p", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "top_p must be in (0, 1]" in run.stderr and "Traceback" not in run.stderr

@@ -1,0 +1,41 @@
+"""End to end on the embedded default: SmolLM2-135M-Instruct from its GGUF package plus our drafter."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_runtime import SamplingParams
+from dflash_runtime.cli import main
+from dflash_runtime.pipeline import load_pipeline
+
+QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a Python function that adds two numbers."]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_pipeline("smollm2-135m")
+
+
+def test_preset_drafter_is_lossless_against_transformers(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2.target_dir, dtype=torch.float32).eval()
+    eos = list(smollm2.target.config.eos_token_ids)
+    prompts = [smollm2.encode(q) for q in QUESTIONS]
+    params = SamplingParams(max_new_tokens=32)
+    dflash = smollm2.engine(max_batch_size=2).generate(prompts, params)
+    plain = smollm2.engine(block_size=1, max_batch_size=2).generate(prompts, params)
+    for prompt, fast, slow in zip(prompts, dflash, plain):
+        reference = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=eos,
+                                pad_token_id=eos[0])[0, len(prompt):].tolist()
+        assert fast.output_ids == slow.output_ids == reference
+        assert len(fast.stats.acceptance_lengths) <= len(fast.output_ids)
+
+
+def test_generate_command_answers_through_the_chat_template(capsys):
+    assert main(["--prompt", QUESTIONS[0], "--max-new-tokens", "24", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "Paris" in result["text"]
+    assert result["finish_reason"] == "stop" and result["output_ids"][-1] == 2  # <|im_end|>

@@ -1,0 +1,163 @@
+"""Losslessness and scheduling of the speculative engine on tiny targets (Qwen3 and Llama-3.1 style)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import BLOCK, EOS, PROMPTS, VOCAB, hf_greedy, load_pair
+from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine
+from dflash_runtime.sampling import choose_tokens
+
+NEW = 48
+_reference: dict = {}
+
+
+def reference(pair) -> list[list[int]]:
+    key = str(pair[0])
+    if key not in _reference:
+        _reference[key] = [hf_greedy(pair[0], p, NEW) for p in PROMPTS]
+    return _reference[key]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, BLOCK])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_greedy_is_token_identical_to_transformers(tiny, block_size, batch_size):
+    target, drafter = load_pair(tiny)
+    engine = SpeculativeEngine(target, drafter, block_size=block_size, max_batch_size=batch_size)
+    seqs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    assert [s.output_ids for s in seqs] == reference(tiny)
+    lengths = [a for s in seqs for a in s.stats.acceptance_lengths]
+    assert all(1 <= a <= block_size for a in lengths)
+    if block_size == BLOCK:
+        # the trained tiny drafter must really be accepted (and sometimes rejected), or this proves little
+        assert max(lengths) >= 8 and min(lengths) < BLOCK, lengths
+
+
+def test_stop_token_inside_an_accepted_block(tiny):
+    target, drafter = load_pair(tiny)
+    ref = reference(tiny)
+    # a token the greedy output emits late: generation must end right after its first occurrence
+    out, stop = next((r, r[len(r) // 2]) for r in ref if len(r) == NEW)
+    cut = out.index(stop) + 1
+    engine = SpeculativeEngine(target, drafter, block_size=BLOCK)
+    seq = engine.generate([PROMPTS[ref.index(out)]], SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop,)))[0]
+    assert seq.output_ids == out[:cut]
+    assert seq.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(tiny):
+    target, drafter = load_pair(tiny)
+    engine = SpeculativeEngine(target, drafter, block_size=BLOCK)
+    for prompt, ref in zip(PROMPTS, reference(tiny)):
+        seq = engine.generate([prompt], SamplingParams(max_new_tokens=NEW))[0]
+        assert seq.finish_reason == ("stop" if EOS in ref else "length")
+        ignored = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0]
+        assert len(ignored.output_ids) == NEW and ignored.output_ids[:len(ref)] == ref
+
+
+def test_continuous_batching_equals_solo_runs(tiny):
+    """More requests than slots, different lengths and limits: requests join as others leave."""
+    target, drafter = load_pair(tiny)
+    prompts = PROMPTS + [[1, 2, 3], list(range(60, 90))]
+    params = [SamplingParams(max_new_tokens=n) for n in (40, 7, 33, 48, 12, 25)]
+    batched = SpeculativeEngine(target, drafter, block_size=8, max_batch_size=3).generate(prompts, params)
+    solo = SpeculativeEngine(target, drafter, block_size=8, max_batch_size=1)
+    for seq, prompt, p in zip(batched, prompts, params):
+        assert seq.output_ids == solo.generate([prompt], p)[0].output_ids
+
+
+def test_sampling_is_identical_with_and_without_drafter_for_any_block_size(tiny):
+    target, drafter = load_pair(tiny)
+    params = SamplingParams(max_new_tokens=40, temperature=0.8, top_k=20, top_p=0.9, seed=1234, ignore_eos=True)
+    outputs = {bs: [s.output_ids for s in SpeculativeEngine(target, drafter if bs > 1 else None, block_size=bs,
+                                                             max_batch_size=4).generate(PROMPTS, params)]
+               for bs in (1, 3, BLOCK)}
+    assert outputs[1] == outputs[3] == outputs[BLOCK]
+    other_seed = SpeculativeEngine(target, drafter, block_size=BLOCK).generate(
+        PROMPTS, SamplingParams(**{**params.__dict__, "seed": 99}))
+    assert [s.output_ids for s in other_seed] != outputs[1]
+
+
+def reference_probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Independent oracle, HF's convention: keep the top-k, renormalise, keep the nucleus, renormalise."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = probs.argsort(descending=True).tolist()
+    if top_k:
+        order = order[:top_k]
+    total = sum(probs[t].item() for t in order)
+    out, mass = torch.zeros_like(probs), 0.0
+    for token in order:
+        if mass >= top_p:
+            break
+        out[token] = probs[token] / total
+        mass += out[token].item()
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.9, 25, 0.9)])
+def test_sampled_tokens_follow_the_target_distribution(temperature, top_k, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(VOCAB) * 2
+    expected = reference_probabilities(logits, temperature, top_k, top_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=5)
+    n = 20000
+    # rows are positions: every row draws its own (seed, position) uniform
+    samples = torch.tensor(choose_tokens(logits.expand(n, VOCAB), params, first_position=0))
+    observed = torch.bincount(samples, minlength=VOCAB).double()
+    assert observed[expected == 0].sum() == 0, "sampled a token outside top-k / top-p"
+    # Pearson chi-square over outcomes expected >= 5 times; tolerance: df + 5 standard deviations
+    # (sqrt(2 df)), which a correct sampler exceeds with probability well below 1e-4.
+    counts = expected * n
+    used = counts >= 5
+    chi2 = ((observed[used] - counts[used]) ** 2 / counts[used]).sum().item()
+    df = int(used.sum()) - 1
+    assert chi2 < df + 5 * (2 * df) ** 0.5, (chi2, df)
+
+
+def test_length_limits(tiny):
+    target, drafter = load_pair(tiny)
+    engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_context=20)
+    seq = engine.generate([list(range(10, 22))], SamplingParams(max_new_tokens=100, ignore_eos=True))[0]
+    assert seq.num_tokens == 20 and seq.finish_reason == "length"
+    seq = engine.generate([[4, 5]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    assert len(seq.output_ids) == 5 and seq.finish_reason == "length"
+
+
+def test_cancel_frees_the_slot_and_spares_the_others(tiny):
+    target, drafter = load_pair(tiny)
+    engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=2)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    keep, drop = engine.add_request(PROMPTS[0], params), engine.add_request(PROMPTS[1], params)
+    engine.step()
+    engine.cancel(drop)
+    assert drop.finish_reason == "cancelled" and len(engine.free_slots) == 1
+    waiting = engine.add_request(PROMPTS[2], params)
+    while engine.has_unfinished():
+        engine.step()
+    solo = SpeculativeEngine(target, drafter, block_size=BLOCK)
+    assert keep.output_ids == solo.generate([PROMPTS[0]], params)[0].output_ids
+    assert waiting.output_ids == solo.generate([PROMPTS[2]], params)[0].output_ids
+    assert sorted(engine.free_slots) == [0, 1]
+
+
+def test_bad_requests_are_rejected_clearly(tiny):
+    target, drafter = load_pair(tiny)
+    engine = SpeculativeEngine(target, drafter, max_context=16)
+    cases = {
+        "empty prompt": lambda: engine.add_request([], SamplingParams()),
+        "context limit": lambda: engine.add_request(list(range(16)), SamplingParams()),
+        "outside the vocabulary": lambda: engine.add_request([1, VOCAB + 5], SamplingParams()),
+        "stop strings need a tokenizer": lambda: engine.add_request([1], SamplingParams(stop_strings=("x",))),
+        "block size must be >= 1": lambda: SpeculativeEngine(target, drafter, block_size=0),
+        "larger than the drafter supports": lambda: SpeculativeEngine(target, drafter, block_size=BLOCK + 1),
+        "needs a drafter": lambda: SpeculativeEngine(target, None, block_size=4),
+        "top_p": lambda: SamplingParams(top_p=0),
+        "top_p must": lambda: SamplingParams(top_p=1.5),
+        "temperature": lambda: SamplingParams(temperature=-0.1),
+        "top_k": lambda: SamplingParams(top_k=-1),
+        "max_new_tokens": lambda: SamplingParams(max_new_tokens=0),
+    }
+    for message, make in cases.items():
+        with pytest.raises(DFlashError, match=message):
+            make()
+    assert not engine.has_unfinished()
