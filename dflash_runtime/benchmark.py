@@ -78,7 +78,9 @@ def run(args) -> dict:
                   f"tau {sp.stats.mean_acceptance_length:.2f}, identical: {out == ar.output_ids == sp.output_ids}",
                   file=sys.stderr)
     rate = {m: tokens / seconds for m, (tokens, seconds) in modes.items()}
-    weight_bytes = sum(p.numel() * p.element_size() for p in pipe.target.parameters())
+    # fused projections are views of one storage: count every storage once
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pipe.target.parameters()}
+    weight_bytes = sum(storages.values())
     return {
         "target": str(pipe.target_dir), "prompts": args.prompts, "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "block_size": dflash.block_size, "threads": torch.get_num_threads(),

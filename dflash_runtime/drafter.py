@@ -16,7 +16,7 @@ from torch import nn
 from .checkpoint import load_weights, read_safetensors
 from .config import DrafterConfig, TargetConfig
 from .kv_cache import KVCache
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary, prepare_for_inference
 
 
 class DrafterLayer(nn.Module):
@@ -30,11 +30,10 @@ class DrafterLayer(nn.Module):
 
     def forward(self, h, cos, sin, context_k, context_v, mask):
         attn = self.self_attn
-        x = self.input_layernorm(h)
-        k, v = attn.key_value(x, cos, sin)
+        q, k, v = attn.query_key_value(self.input_layernorm(h), cos, sin)
         k = torch.cat([context_k, k.transpose(1, 2)], dim=2)
         v = torch.cat([context_v, v.transpose(1, 2)], dim=2)
-        h = h + attn.attend(attn.query(x, cos, sin), k, v, mask)
+        h = h + attn.attend(q, k, v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -110,4 +109,5 @@ def load_drafter(path: str | Path, target: TargetConfig, dtype: torch.dtype = to
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
     load_weights(drafter, read_safetensors(path), str(path), dtype, device)
+    prepare_for_inference(drafter)
     return drafter.eval()

@@ -9,7 +9,7 @@ from torch import nn
 from .checkpoint import load_weights, read_safetensors
 from .config import TargetConfig
 from .kv_cache import KVCache
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary, prepare_for_inference
 
 
 class DecoderLayer(nn.Module):
@@ -23,11 +23,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, cache: KVCache, layer: int, slots, positions, mask):
         attn = self.self_attn
-        x = self.input_layernorm(h)
-        k, v = attn.key_value(x, cos, sin)
+        q, k, v = attn.query_key_value(self.input_layernorm(h), cos, sin)
         cache.write(layer, slots, positions, k, v)
         k_all, v_all = cache.read(layer, slots, mask.shape[-1])
-        h = h + attn.attend(attn.query(x, cos, sin), k_all, v_all, mask)
+        h = h + attn.attend(q, k_all, v_all, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -102,4 +101,5 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     load_weights(model, state, str(path), dtype, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    prepare_for_inference(model)
     return model.eval()

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,8 +59,8 @@ def test_unknown_preset_lists_the_known_ones(capsys):
 
 
 def test_console_script_exits_nonzero_without_traceback(tiny):
-    exe = shutil.which("dflash-generate")
-    assert exe, "the package's console script is not installed"
-    run = subprocess.run([exe, "--target", str(tiny[0]), "--prompt-ids", "1", "--top-p", "2"],
+    exe = Path(sys.executable).parent / "dflash-generate"  # installed beside the interpreter, on PATH or not
+    assert exe.is_file(), "the package's console script is not installed"
+    run = subprocess.run([str(exe), "--target", str(tiny[0]), "--prompt-ids", "1", "--top-p", "2"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "top_p must be in (0, 1]" in run.stderr and "Traceback" not in run.stderr

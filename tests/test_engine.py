@@ -161,3 +161,19 @@ def test_bad_requests_are_rejected_clearly(tiny):
         with pytest.raises(DFlashError, match=message):
             make()
     assert not engine.has_unfinished()
+
+
+def test_thread_split_linears_stay_token_identical(tiny):
+    """On a multi-core CPU every linear runs as a row-split batched GEMM: still the target's greedy output."""
+    from dflash_runtime.layers import ThreadSplitLinear
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        target, drafter = load_pair(tiny)
+        assert isinstance(target.lm_head, ThreadSplitLinear) and isinstance(drafter.layers[0].mlp.gate_up, ThreadSplitLinear)
+        seqs = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=4).generate(
+            PROMPTS, SamplingParams(max_new_tokens=NEW))
+    finally:
+        torch.set_num_threads(threads)
+    assert [s.output_ids for s in seqs] == reference(tiny)
