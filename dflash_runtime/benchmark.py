@@ -1,7 +1,11 @@
-"""dflash-bench: transformers `generate` vs this runtime's autoregressive mode vs DFlash, side by side.
+"""dflash-bench: speed and acceptance of DFlash against autoregressive decoding, side by side.
 
-All three run in one process on the same prompts, interleaved prompt by prompt, so machine noise hits
-them alike; the ratios are the result. Also checks that the three outputs are token-identical.
+For each prompt set, every prompt runs through (a) transformers `generate` (unless --no-hf), (b) this
+runtime's autoregressive mode and (c) DFlash, interleaved prompt by prompt in one process so machine
+noise hits all three alike: the ratios are the result. Reports per set: tokens/s and their ratios,
+mean acceptance length tau (accepted drafts + 1 per verify step), the per-position acceptance curve
+(how often block position k was accepted), the draft-to-verify time ratio, and whether all outputs
+were token-identical. Writes JSON and, with --plot, a PNG.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import torch
 
 from .config import DFlashError
 from .presets import DEFAULT_PRESET
-from .sampling import SamplingParams
+from .sampling import SamplingParams, SamplingStats
 
 CHAT_PROMPTS = [
     "Explain what a hash table is and when to use one.",
@@ -25,80 +29,145 @@ CHAT_PROMPTS = [
 ]
 
 
-def benchmark_prompts(source: str, count: int) -> list[str]:
-    from .prompts import humaneval_prompts, sharegpt_conversations
+def prompt_set(source: str, count: int) -> list[str]:
+    """chat | humaneval | sharegpt (held-out split) | a JSONL file path."""
+    from .prompts import humaneval_prompts, jsonl_prompts, sharegpt_conversations
 
     if source == "chat":
-        return (CHAT_PROMPTS * count)[:count]
-    if source == "humaneval":
-        return [f"Complete this Python function.\n\n{p}" for p in humaneval_prompts()[:count]]
-    if source == "sharegpt":
-        return [p for p, _ in itertools.islice(((p, r) for p, r in sharegpt_conversations("heldout") if len(p) < 400), count)]
-    raise DFlashError(f"unknown prompt source {source!r}")
+        prompts = CHAT_PROMPTS
+    elif source == "humaneval":
+        prompts = [f"Complete this Python function.\n\n{p}" for p in humaneval_prompts()]
+    elif source == "sharegpt":
+        prompts = (p for p, _ in sharegpt_conversations("heldout") if len(p) < 400)
+    elif source.endswith(".jsonl"):
+        prompts = jsonl_prompts(source)
+    else:
+        raise DFlashError(f"unknown prompt set {source!r} (chat, humaneval, sharegpt, or a .jsonl file)")
+    return list(itertools.islice(prompts, count))
+
+
+class Mode:
+    """Tokens and wall-clock seconds of one decoding mode over a prompt set."""
+
+    def __init__(self):
+        self.tokens, self.seconds = 0, 0.0
+
+    def timed(self, generate):
+        """generate() -> output token ids; timed and counted."""
+        start = time.perf_counter()
+        out = generate()
+        self.seconds += time.perf_counter() - start
+        self.tokens += len(out)
+        return out
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def _run_to_end(engine, seq) -> list[int]:
+    while engine.has_unfinished():
+        engine.step()
+    return seq.output_ids
+
+
+def measure(pipe, hf, autoregressive, dflash, prompts: list[list[int]], max_new_tokens: int, label: str) -> dict:
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    eos = list(pipe.target.config.eos_token_ids)
+    modes = {"autoregressive": Mode(), "dflash": Mode()}
+    if hf is not None:
+        modes["hf_generate"] = Mode()
+    stats, identical = SamplingStats(), 0
+    for n, ids in enumerate(prompts, 1):
+        outputs = []
+        if hf is not None:
+            outputs.append(modes["hf_generate"].timed(lambda: hf.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                pad_token_id=eos[0])[0, len(ids):].tolist()))
+        outputs.append(modes["autoregressive"].timed(lambda: autoregressive.generate([ids], params)[0].output_ids))
+        seq = dflash.add_request(ids, params)
+        outputs.append(modes["dflash"].timed(lambda: _run_to_end(dflash, seq)))
+        same = all(o == outputs[0] for o in outputs)
+        identical += same
+        stats.acceptance_lengths += seq.stats.acceptance_lengths
+        stats.draft_seconds += seq.stats.draft_seconds
+        stats.verify_seconds += seq.stats.verify_seconds
+        for k, c in enumerate(seq.stats.accepted_by_position):
+            if k == len(stats.accepted_by_position):
+                stats.accepted_by_position.append(0)
+            stats.accepted_by_position[k] += c
+        print(f"[{label} {n}/{len(prompts)}] {len(ids)} prompt tokens, {len(seq.output_ids)} new, "
+              f"tau {seq.stats.mean_acceptance_length:.2f}, identical: {same}", file=sys.stderr)
+    steps = max(1, len(stats.acceptance_lengths))
+    rate = {m: mode.rate for m, mode in modes.items()}
+    result = {
+        "num_prompts": len(prompts),
+        "tokens_per_second": {m: round(r, 2) for m, r in rate.items()},
+        "speedup_dflash_vs_autoregressive": round(rate["dflash"] / rate["autoregressive"], 3),
+        "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
+        "acceptance_by_position": [round(c / steps, 4) for c in stats.accepted_by_position],
+        "draft_to_verify_time": round(stats.draft_seconds / max(stats.verify_seconds, 1e-9), 3),
+        "token_identical_prompts": f"{identical}/{len(prompts)}",
+    }
+    if hf is not None:
+        result["ratio_autoregressive_vs_hf"] = round(rate["autoregressive"] / rate["hf_generate"], 3)
+        result["ratio_dflash_vs_hf"] = round(rate["dflash"] / rate["hf_generate"], 3)
+    return result
 
 
 def run(args) -> dict:
-    from transformers import AutoModelForCausalLM
-
     from .pipeline import load_pipeline
 
     torch.manual_seed(0)
     pipe = load_pipeline(args.target, args.drafter)
     if pipe.drafter is None:
         raise DFlashError("the benchmark compares against DFlash: the target needs a drafter (--drafter DIR)")
-    hf = AutoModelForCausalLM.from_pretrained(pipe.target_dir, dtype=torch.float32).eval()
+    hf = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(pipe.target_dir, dtype=torch.float32).eval()
     autoregressive = pipe.engine(block_size=1, max_batch_size=1)
     dflash = pipe.engine(block_size=args.block_size, max_batch_size=1)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    eos = list(pipe.target.config.eos_token_ids)
-    modes = {"hf_generate": [0, 0.0], "autoregressive": [0, 0.0], "dflash": [0, 0.0]}  # tokens, seconds
-    identical, acceptance, draft_s, verify_s = 0, [], 0.0, 0.0
-    prompts = [pipe.encode(p) for p in benchmark_prompts(args.prompts, args.num_prompts)]
+    sets = {name: [pipe.encode(p) for p in prompt_set(name, args.num_prompts)] for name in args.prompts}
     with torch.inference_mode():
-        for ids in prompts[:1]:  # warm-up: first-call allocations and lazy inits stay out of the numbers
-            hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-            autoregressive.generate([ids], SamplingParams(max_new_tokens=4))
-            dflash.generate([ids], SamplingParams(max_new_tokens=4))
-        for n, ids in enumerate(prompts, 1):
-            t = time.perf_counter()
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False,
-                              eos_token_id=eos, pad_token_id=eos[0])[0, len(ids):].tolist()
-            _add(modes["hf_generate"], len(out), time.perf_counter() - t)
-            t = time.perf_counter()
-            ar = autoregressive.generate([ids], params)[0]
-            _add(modes["autoregressive"], len(ar.output_ids), time.perf_counter() - t)
-            t = time.perf_counter()
-            sp = dflash.generate([ids], params)[0]
-            _add(modes["dflash"], len(sp.output_ids), time.perf_counter() - t)
-            identical += out == ar.output_ids == sp.output_ids
-            acceptance += sp.stats.acceptance_lengths
-            draft_s += sp.stats.draft_seconds
-            verify_s += sp.stats.verify_seconds
-            print(f"[{n}/{len(prompts)}] {len(ids)} prompt tokens, {len(sp.output_ids)} new, "
-                  f"tau {sp.stats.mean_acceptance_length:.2f}, identical: {out == ar.output_ids == sp.output_ids}",
-                  file=sys.stderr)
-    rate = {m: tokens / seconds for m, (tokens, seconds) in modes.items()}
-    # fused projections are views of one storage: count every storage once
+        warm = next(iter(sets.values()))[:1]  # first-call allocations stay out of the numbers
+        measure(pipe, hf, autoregressive, dflash, warm, 4, "warm-up")
+        results = {name: measure(pipe, hf, autoregressive, dflash, prompts, args.max_new_tokens, name)
+                   for name, prompts in sets.items()}
+    # every autoregressive token streams all weights once: the figure to hold against memory bandwidth
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pipe.target.parameters()}
-    weight_bytes = sum(storages.values())
+    ar_rate = sum(r["tokens_per_second"]["autoregressive"] for r in results.values()) / len(results)
     return {
-        "target": str(pipe.target_dir), "prompts": args.prompts, "num_prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens, "block_size": dflash.block_size, "threads": torch.get_num_threads(),
-        "tokens_per_second": {m: round(r, 2) for m, r in rate.items()},
-        "ratio_autoregressive_vs_hf": round(rate["autoregressive"] / rate["hf_generate"], 3),
-        "ratio_dflash_vs_autoregressive": round(rate["dflash"] / rate["autoregressive"], 3),
-        "ratio_dflash_vs_hf": round(rate["dflash"] / rate["hf_generate"], 3),
-        "mean_acceptance_length": round(sum(acceptance) / max(1, len(acceptance)), 3),
-        "draft_to_verify_time": round(draft_s / max(verify_s, 1e-9), 3),
-        # every autoregressive token streams all weights once: the figure to hold against memory bandwidth
-        "autoregressive_weight_GBps": round(weight_bytes * rate["autoregressive"] / 1e9, 2),
-        "token_identical_prompts": f"{identical}/{len(prompts)}",
+        "target": str(pipe.target_dir), "drafter": args.drafter, "block_size": dflash.block_size,
+        "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+        "autoregressive_weight_GBps": round(sum(storages.values()) * ar_rate / 1e9, 2),
+        "prompt_sets": results,
     }
 
 
-def _add(acc: list, tokens: int, seconds: float) -> None:
-    acc[0] += tokens
-    acc[1] += seconds
+def plot(summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = summary["prompt_sets"]
+    fig, (curve, bars) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in sets.items():
+        acc = r["acceptance_by_position"]
+        curve.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
+    curve.set(xlabel="block position k", ylabel="P(draft token k accepted)", ylim=(0, 1),
+              title=f"acceptance by position (block {summary['block_size']})")
+    curve.legend()
+    names = list(sets)
+    bars.bar(names, [sets[n]["mean_acceptance_length"] for n in names])
+    for i, n in enumerate(names):
+        bars.text(i, sets[n]["mean_acceptance_length"], f"{sets[n]['speedup_dflash_vs_autoregressive']:.2f}x",
+                  ha="center", va="bottom")
+    bars.set(ylabel="mean acceptance length tau", title="tau by prompt set (label: speedup vs autoregressive)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None) -> int:
@@ -106,11 +175,14 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_PRESET, help="preset name or checkpoint directory")
     parser.add_argument("--drafter", default="preset", help="drafter directory (default: the preset's)")
-    parser.add_argument("--prompts", default="chat", choices=["chat", "humaneval", "sharegpt"])
-    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--prompts", nargs="+", default=["chat"],
+                        help="prompt sets: chat, humaneval, sharegpt (held-out split), or .jsonl files")
+    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, help="default: the drafter's")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
     parser.add_argument("--json", help="also write the summary to this file")
+    parser.add_argument("--plot", help="write a PNG: acceptance by position, tau by prompt set")
     args = parser.parse_args(argv)
     try:
         summary = run(args)
@@ -122,6 +194,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+    if args.plot:
+        plot(summary, args.plot)
     return 0
 
 
