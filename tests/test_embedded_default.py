@@ -39,3 +39,10 @@ def test_generate_command_answers_through_the_chat_template(capsys):
     result = json.loads(capsys.readouterr().out)
     assert "Paris" in result["text"]
     assert result["finish_reason"] == "stop" and result["output_ids"][-1] == 2  # <|im_end|>
+
+
+def test_stop_string_ends_generation_and_is_cut_from_the_text(capsys):
+    assert main(["--prompt", QUESTIONS[0], "--max-new-tokens", "24", "--stop", "Paris", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["finish_reason"] == "stop"
+    assert "Paris" not in result["text"] and result["text"].startswith("The capital of France is")
