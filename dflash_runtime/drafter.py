@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from plugins.kv_injection.torch_op import kv_injection
+
 from .checkpoint import load_weights, read_safetensors
 from .config import DrafterConfig, TargetConfig
 from .kv_cache import KVCache
@@ -64,11 +66,15 @@ class DFlashDrafter(nn.Module):
         features: [B, T, len(target_layer_ids) * hidden]; positions: [B, T]. Lengths are not changed:
         the caller commits how many of the T positions are real context with cache.crop.
         """
-        context = self.hidden_norm(self.fc(features))
-        cos, sin = self.rotary(positions, context.dtype)
+        cache.check_positions(positions)
+        context = self.hidden_norm(self.fc(features)).flatten(0, 1)  # [B * T, hidden]
+        token_positions = positions.flatten()
+        token_slots = slots[:, None].expand_as(positions).flatten()
+        inv_freq = self.rotary.inv_freq.to(context.device)
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_value(context, cos, sin)
-            cache.write(i, slots, positions, k, v)
+            attn = layer.self_attn
+            kv_injection(context, attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight, inv_freq,
+                         token_positions, token_slots, cache.k[i], cache.v[i], attn.k_norm.eps)
 
     def forward(self, block_embeddings: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor) -> torch.Tensor:

@@ -27,10 +27,13 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [B]; positions: [B, T]; k, v: [B, T, KV, D]
-        if int(positions.max()) >= self.capacity:
-            raise IndexError(f"KV cache write at position {int(positions.max())} beyond capacity {self.capacity}")
+        self.check_positions(positions)
         self.k[layer][slots[:, None], :, positions] = k
         self.v[layer][slots[:, None], :, positions] = v
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        if int(positions.max()) >= self.capacity:
+            raise IndexError(f"KV cache write at position {int(positions.max())} beyond capacity {self.capacity}")
 
     def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         # -> k, v: [B, KV, length, D]; slicing before the gather copies only the live prefix.

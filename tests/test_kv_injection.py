@@ -1,0 +1,120 @@
+"""The KV-injection op: reference vs the unfused drafter path, the Triton kernel under its CPU
+interpreter vs the reference, and the torch.library registration."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dflash_runtime.config import DrafterConfig, RopeConfig, TransformerShape
+from dflash_runtime.drafter import DFlashDrafter
+from dflash_runtime.kv_cache import KVCache
+from plugins.kv_injection import kv_injection_reference
+from plugins.kv_injection.torch_op import kv_injection
+
+# (hidden, kv_heads, head_dim, rope base): the embedded default's drafter and Qwen3-8B's
+SHAPES = {"smollm2-135m": (576, 3, 64, 100000.0), "qwen3-8b": (4096, 8, 128, 1000000.0)}
+# three sequences with different lengths and cache offsets; the last token lands on the cache's last slot
+RAGGED = [(0, 5, 0), (2, 3, 17), (1, 2, 30)]  # (slot, new tokens, first position); capacity 32
+
+
+def ragged_batch(hidden, kv_heads, head_dim, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(count for _, count, _ in RAGGED)
+    weights = [torch.randn(kv_heads * head_dim, hidden, generator=g) / hidden ** 0.5 for _ in range(2)]
+    return {
+        "context": torch.randn(n, hidden, generator=g).to(dtype),
+        "k_weight": weights[0].to(dtype), "v_weight": weights[1].to(dtype),
+        "k_norm_weight": (1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype),
+        "positions": torch.cat([torch.arange(p, p + c) for _, c, p in RAGGED]),
+        "slots": torch.cat([torch.full((c,), s) for s, c, _ in RAGGED]),
+    }
+
+
+def new_cache(kv_heads, head_dim, dtype=torch.float32):
+    return (torch.zeros(3, kv_heads, 32, head_dim, dtype=dtype), torch.zeros(3, kv_heads, 32, head_dim, dtype=dtype))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_equals_the_unfused_drafter_layer(shape):
+    hidden, kv_heads, head_dim, base = SHAPES[shape]
+    rope = RopeConfig(base)
+    config = DrafterConfig(TransformerShape(hidden, 64, 1, kv_heads * 2, kv_heads, head_dim, 1e-6, rope, 1000),
+                           block_size=16, mask_token_id=0, target_layer_ids=(0,), num_target_layers=1)
+    drafter = DFlashDrafter(config)
+    batch = ragged_batch(hidden, kv_heads, head_dim)
+    attn = drafter.layers[0].self_attn
+    with torch.no_grad():
+        attn.k_proj.weight.copy_(batch["k_weight"])
+        attn.v_proj.weight.copy_(batch["v_weight"])
+        attn.k_norm.weight.copy_(batch["k_norm_weight"])
+        # unfused: projections, k_norm, RoPE, then a scatter per sequence
+        unfused = KVCache(1, 3, kv_heads, head_dim, 32, torch.float32)
+        start = 0
+        for slot, count, first in RAGGED:
+            positions = torch.arange(first, first + count)[None]
+            cos, sin = drafter.rotary(positions, torch.float32)
+            k, v = attn.key_value(batch["context"][None, start:start + count], cos, sin)
+            unfused.write(0, torch.tensor([slot]), positions, k, v)
+            start += count
+        cache_k, cache_v = new_cache(kv_heads, head_dim)
+        kv_injection_reference(batch["context"], batch["k_weight"], batch["v_weight"], batch["k_norm_weight"],
+                               rope.inverse_frequencies(head_dim), batch["positions"], batch["slots"], cache_k, cache_v, 1e-6)
+    torch.testing.assert_close(cache_k, unfused.k[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache_v, unfused.v[0], rtol=1e-5, atol=1e-5)
+    assert cache_k[1, :, 31].abs().sum() > 0  # the cache's last position was written
+
+
+INTERPRETER_CHECK = textwrap.dedent("""
+    import sys, torch
+    sys.path[:0] = [{tests!r}, {repo!r}]
+    from test_kv_injection import SHAPES, ragged_batch, new_cache
+    from dflash_runtime.config import RopeConfig
+    from plugins.kv_injection import kv_injection_reference
+    from plugins.kv_injection.triton_kernel import kv_injection_triton
+    for shape, (hidden, kv_heads, head_dim, base) in SHAPES.items():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            batch = ragged_batch(hidden, kv_heads, head_dim, dtype)
+            inv_freq = RopeConfig(base).inverse_frequencies(head_dim)
+            outputs = []
+            for op in (kv_injection_reference, kv_injection_triton):
+                cache_k, cache_v = new_cache(kv_heads, head_dim, dtype)
+                op(batch["context"], batch["k_weight"], batch["v_weight"], batch["k_norm_weight"], inv_freq,
+                   batch["positions"], batch["slots"], cache_k, cache_v, 1e-6)
+                outputs.append((cache_k.float(), cache_v.float()))
+            (rk, rv), (tk, tv) = outputs
+            print(shape, str(dtype).split(".")[-1], (rk - tk).abs().max().item(), (rv - tv).abs().max().item())
+""")
+
+
+def test_triton_kernel_matches_the_reference_under_the_interpreter():
+    """fp32: both accumulate in fp32 (1e-4); bf16/fp16: the kernel also accumulates in fp32, so the
+    only difference is the final rounding to the cache dtype (one bf16 ulp at |K| <= 4 is 0.03)."""
+    here = os.path.dirname(__file__)
+    code = INTERPRETER_CHECK.format(tests=here, repo=os.path.dirname(here))
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines()]
+    assert len(rows) == 6
+    tolerance = {"float32": 1e-4, "bfloat16": 3.2e-2, "float16": 4e-3}
+    for shape, dtype, k_error, v_error in rows:
+        assert float(k_error) <= tolerance[dtype] and float(v_error) <= tolerance[dtype], (shape, dtype, k_error, v_error)
+
+
+def test_custom_op_registration_and_fake_kernel():
+    hidden, kv_heads, head_dim, base = SHAPES["smollm2-135m"]
+    batch = ragged_batch(hidden, kv_heads, head_dim)
+    cache_k, cache_v = new_cache(kv_heads, head_dim)
+    args = (batch["context"], batch["k_weight"], batch["v_weight"], batch["k_norm_weight"],
+            RopeConfig(base).inverse_frequencies(head_dim), batch["positions"], batch["slots"], cache_k, cache_v, 1e-6)
+    torch.library.opcheck(kv_injection, args, test_utils=("test_schema", "test_faketensor"))
+    assert torch.ops.dflash.kv_injection.default is not None
+    kv_injection(*args)
+    reference_k, reference_v = new_cache(kv_heads, head_dim)
+    kv_injection_reference(*args[:7], reference_k, reference_v, 1e-6)
+    assert torch.equal(cache_k, reference_k) and torch.equal(cache_v, reference_v)
