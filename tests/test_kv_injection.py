@@ -87,13 +87,16 @@ INTERPRETER_CHECK = textwrap.dedent("""
                    batch["positions"], batch["slots"], cache_k, cache_v, 1e-6)
                 outputs.append((cache_k.float(), cache_v.float()))
             (rk, rv), (tk, tv) = outputs
-            print(shape, str(dtype).split(".")[-1], (rk - tk).abs().max().item(), (rv - tv).abs().max().item())
+            relative = lambda r, t: ((r - t).abs().max() / r.abs().max()).item()
+            print(shape, str(dtype).split(".")[-1], relative(rk, tk), relative(rv, tv))
 """)
 
 
 def test_triton_kernel_matches_the_reference_under_the_interpreter():
-    """fp32: both accumulate in fp32 (1e-4); bf16/fp16: the kernel also accumulates in fp32, so the
-    only difference is the final rounding to the cache dtype (one bf16 ulp at |K| <= 4 is 0.03)."""
+    """Errors relative to the largest output. fp32: both accumulate in fp32, so only summation order
+    differs (1e-5). bf16/fp16: the kernel also accumulates in fp32, so the only difference is the final
+    rounding to the cache dtype: at most one ulp of the largest value (2^-7 for bf16, 2^-10 for fp16).
+    Measured: fp32 ~5e-7, bf16 <= 2^-8 .. 2^-7, fp16 <= 2^-11."""
     here = os.path.dirname(__file__)
     code = INTERPRETER_CHECK.format(tests=here, repo=os.path.dirname(here))
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
@@ -101,7 +104,7 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines()]
     assert len(rows) == 6
-    tolerance = {"float32": 1e-4, "bfloat16": 3.2e-2, "float16": 4e-3}
+    tolerance = {"float32": 1e-5, "bfloat16": 2 ** -7, "float16": 2 ** -10}
     for shape, dtype, k_error, v_error in rows:
         assert float(k_error) <= tolerance[dtype] and float(v_error) <= tolerance[dtype], (shape, dtype, k_error, v_error)
 
