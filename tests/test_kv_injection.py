@@ -121,3 +121,53 @@ def test_custom_op_registration_and_fake_kernel():
     reference_k, reference_v = new_cache(kv_heads, head_dim)
     kv_injection_reference(*args[:7], reference_k, reference_v, 1e-6)
     assert torch.equal(cache_k, reference_k) and torch.equal(cache_v, reference_v)
+
+
+@pytest.mark.parametrize("arch,float_type", [(90, "fp32"), (90, "bf16"), (100, "fp16")])
+def test_ptx_is_compiled_ahead_of_time_for_hopper_and_blackwell(arch, float_type):
+    from plugins.kv_injection.tensorrt_plugin import compile_ptx
+
+    kernel = compile_ptx(arch, float_type, "i64", head_dim=128, eps=1e-6)
+    assert f".target sm_{arch}a" in kernel.ptx and f".visible .entry {kernel.name}(" in kernel.ptx
+    entry = kernel.ptx[kernel.ptx.index(".visible .entry"):kernel.ptx.index(")", kernel.ptx.index(".visible .entry"))]
+    params = [line.split()[1] for line in entry.splitlines() if line.strip().startswith(".param")]
+    # TensorRT's AOT order: 9 input pointers, 5 int32 scalars, 2 output pointers (then Triton's two
+    # scratch pointers, unused: compile_ptx checks their sizes are 0)
+    assert params == [".u64"] * 9 + [".u32"] * 5 + [".u64"] * 2 + [".u64"] * 2
+    assert kernel.num_warps * 32 == 128 and kernel.shared_memory < 48 * 1024
+
+
+def test_onnx_export_of_a_drafter_layer_carries_the_plugin_node(tiny, tmp_path):
+    import onnx
+
+    from conftest import load_pair
+    from plugins.kv_injection.tensorrt_plugin import INPUTS, OUTPUTS, export_layer_onnx
+
+    _, drafter = load_pair(tiny)
+    export_layer_onnx(drafter, 0, str(tmp_path / "layer0.onnx"), num_slots=8, capacity=1040)
+    model = onnx.load(str(tmp_path / "layer0.onnx"))
+    onnx.checker.check_model(model)
+    (node,) = model.graph.node
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert node.op_type == "kv_injection" and node.domain == "dflash"
+    assert attributes["plugin_namespace"] == b"dflash" and attributes["plugin_version"] == b"1"
+    assert attributes["aot"] == 1 and attributes["eps"] == pytest.approx(drafter.layers[0].self_attn.k_norm.eps)
+    assert list(node.input) == list(INPUTS) and list(node.output) == list(OUTPUTS)
+    weights = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert torch.equal(torch.from_numpy(weights["k_weight"]), drafter.layers[0].self_attn.k_proj.weight.detach())
+    assert weights["inv_freq"].dtype.name == "float32"
+    context = model.graph.input[0].type.tensor_type.shape.dim
+    assert context[0].dim_param == "tokens" and context[1].dim_value == drafter.config.shape.hidden_size
+
+
+def test_tensorrt_registration_explains_what_is_missing():
+    pytest.importorskip("onnx")
+    from plugins.kv_injection import tensorrt_plugin
+
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"TensorRT >= 10.9 with its Python plugin module"):
+            tensorrt_plugin.register()
+    else:
+        tensorrt_plugin.register()  # where TensorRT exists, registration itself must succeed

@@ -4,6 +4,10 @@ One program per (token, KV head): it streams its head's rows of W_k and W_v agai
 context vector (fp32 accumulation), applies k_norm and rotate-half RoPE to K in registers, and stores
 K and V straight into the cache slot at the token's position. Tokens of different sequences, with
 different cache offsets, share one launch.
+
+The argument order is TensorRT's AOT plugin convention (inputs, integer scalars, outputs; floats are
+compile-time constants), so the same kernel serves PyTorch and the TensorRT plugin. The caches come
+twice: as inputs and as the outputs aliased to them; only the outputs are written.
 """
 from __future__ import annotations
 
@@ -13,9 +17,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_injection_kernel(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v,
-                         hidden, context_stride, cache_slot_stride, cache_head_stride, cache_pos_stride, eps,
-                         HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def kv_injection_kernel(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k_in, cache_v_in,
+                        hidden, context_stride, cache_slot_stride, cache_head_stride, cache_pos_stride,
+                        cache_k, cache_v, EPS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -36,7 +40,7 @@ def _kv_injection_kernel(context, k_weight, v_weight, k_norm_weight, inv_freq, p
         v_hi += tl.sum(tl.load(v_weight + rows_hi[:, None] * hidden + cols[None, :], mask=w_mask, other=0.0).to(tl.float32) * h, axis=1)
     # k_norm: RMS over the whole head
     mean_square = (tl.sum(k_lo * k_lo, axis=0) + tl.sum(k_hi * k_hi, axis=0)) / (2 * HALF)
-    scale = 1.0 / tl.sqrt(mean_square + eps)
+    scale = 1.0 / tl.sqrt(mean_square + EPS)
     k_lo = k_lo * scale * tl.load(k_norm_weight + d).to(tl.float32)
     k_hi = k_hi * scale * tl.load(k_norm_weight + HALF + d).to(tl.float32)
     # RoPE at the token's absolute position
@@ -53,6 +57,10 @@ def _kv_injection_kernel(context, k_weight, v_weight, k_norm_weight, inv_freq, p
     tl.store(cache_k + base + HALF + d, rotated_hi.to(out_type))
     tl.store(cache_v + base + d, v_lo.to(out_type))
     tl.store(cache_v + base + HALF + d, v_hi.to(out_type))
+
+
+BLOCK_H = 128  # hidden elements per loop step: 128 x 64 fp32 weight tiles stay in registers
+NUM_WARPS = 4
 
 
 def kv_injection_triton(context: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
@@ -72,7 +80,7 @@ def kv_injection_triton(context: torch.Tensor, k_weight: torch.Tensor, v_weight:
         raise ValueError("k_weight and v_weight rows must be contiguous")
     if n == 0:
         return
-    _kv_injection_kernel[(n, kv_heads)](
+    kv_injection_kernel[(n, kv_heads)](
         context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v,
-        hidden, context.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), eps,
-        HALF=head_dim // 2, BLOCK_H=128)
+        hidden, context.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        cache_k, cache_v, EPS=eps, HALF=head_dim // 2, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
