@@ -103,7 +103,11 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n")
-    state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
+    # only the checkpoint's own keys: an inference-prepared drafter also holds fused views of them
+    with torch.device("meta"):
+        keys = DFlashDrafter(drafter.config).state_dict().keys()
+    weights = drafter.state_dict()
+    state = {k: weights[k].detach().to(dtype).contiguous() for k in keys}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -110,3 +110,13 @@ def test_kv_cache_append_crop_and_ragged_reads():
     assert torch.equal(k[1].transpose(0, 1), kv[0]) and torch.equal(v[0, :, 0], -kv[1, 0])
     with pytest.raises(IndexError, match="beyond capacity"):
         cache.write(0, slots, torch.tensor([[8], [0]]), kv[:, :1], kv[:, :1])
+
+
+def test_a_loaded_drafter_saves_back_to_the_same_format(tiny, tmp_path):
+    from dflash_runtime import save_drafter
+
+    target, drafter = load_pair(tiny)  # loaded for inference: projections fused
+    save_drafter(drafter, tmp_path, torch.float32)
+    assert set(load_file(str(tmp_path / "model.safetensors"))) == set(load_file(str(tiny[1] / "model.safetensors")))
+    again = load_drafter(tmp_path, target.config)
+    assert torch.equal(again.fc.weight, drafter.fc.weight)
