@@ -19,6 +19,7 @@ resumes from them; --max-minutes bounds a session. A JSONL learning curve record
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import sys
@@ -32,8 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash_runtime.config import DFlashError, DrafterConfig, TransformerShape  # noqa: E402
 from dflash_runtime.drafter import DFlashDrafter, save_drafter  # noqa: E402
+from dflash_runtime.engine import SpeculativeEngine  # noqa: E402
+from dflash_runtime.layers import prepare_for_inference  # noqa: E402
 from dflash_runtime.pipeline import Pipeline, load_pipeline  # noqa: E402
 from dflash_runtime.prompts import sharegpt_conversations  # noqa: E402
+from dflash_runtime.sampling import SamplingParams  # noqa: E402
 from dflash_runtime.target import TargetModel  # noqa: E402
 
 
@@ -193,6 +197,8 @@ def train(args: argparse.Namespace) -> None:
         rng.set_state(state["rng"])
         print(f"resumed at step {step} ({seen_tokens} tokens seen)", file=sys.stderr)
     heldout = _heldout_batch(pipe, args.seq_len, args.batch_size * 2)
+    held_prompts = [pipe.encode(p) for p, _ in itertools.islice(
+        ((p, r) for p, r in sharegpt_conversations("heldout") if len(p) < 300), args.tau_prompts)]
     held_feats = target_features(target, heldout, layer_ids)
     vocab_subset = frequent_tokens(pipe, args.train_vocab) if args.train_vocab else None
     texts = training_texts(pipe, args.seq_len, skip=seen_texts)
@@ -228,12 +234,13 @@ def train(args: argparse.Namespace) -> None:
         bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0]:.2f}", acc4=f"{acc[3]:.2f}" if len(acc) > 3 else "-")
         bar.update()
         if step % args.eval_every == 0 or step == args.steps:
-            record = _evaluate(drafter, target, heldout, held_feats, args, step, seen_tokens,
+            record = _evaluate(drafter, target, heldout, held_feats, held_prompts, args, step, seen_tokens,
                                cpu_seconds + time.process_time() - started)
             curve.write(json.dumps(record) + "\n")
             curve.flush()
             tqdm.write(f"step {step}: held-out loss {record['heldout_loss']:.3f}, "
-                       f"acc@1 {record['heldout_accuracy_by_position'][0]:.3f}, est. tau {record['heldout_estimated_tau']:.2f}")
+                       f"acc@1 {record['heldout_accuracy_by_position'][0]:.3f}, tau estimated "
+                       f"{record['heldout_estimated_tau']:.2f}, measured {record['heldout_measured_tau']:.2f}")
         if step % args.save_every == 0 or step == args.steps:
             _save(drafter, optimizer, rng, out, step, seen_texts, seen_tokens,
                   cpu_seconds + time.process_time() - started, state_path)
@@ -254,7 +261,18 @@ def _heldout_batch(pipe: Pipeline, seq_len: int, n: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def _evaluate(drafter, target, heldout, held_feats, args, step, seen_tokens, cpu_seconds) -> dict:
+def measured_acceptance(drafter: DFlashDrafter, target: TargetModel, prompts: list[list[int]], block_size: int,
+                        max_new_tokens: int = 48) -> float:
+    """Real tau: greedy DFlash decoding of held-out prompts with a frozen copy of the drafter."""
+    frozen = copy.deepcopy(drafter).requires_grad_(False)
+    prepare_for_inference(frozen)
+    engine = SpeculativeEngine(target, frozen, block_size=block_size, max_batch_size=len(prompts))
+    seqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    lengths = [a for s in seqs for a in s.stats.acceptance_lengths]
+    return sum(lengths) / len(lengths)
+
+
+def _evaluate(drafter, target, heldout, held_feats, held_prompts, args, step, seen_tokens, cpu_seconds) -> dict:
     drafter.eval()
     tokens, features, final = held_feats
     generator = torch.Generator().manual_seed(1234)  # the same anchors every time: comparable points
@@ -267,6 +285,7 @@ def _evaluate(drafter, target, heldout, held_feats, args, step, seen_tokens, cpu
         "heldout_loss": round(loss.item(), 4),
         "heldout_accuracy_by_position": [round(x, 4) for x in (correct / counted.clamp_min(1)).tolist()],
         "heldout_estimated_tau": round(estimated_acceptance(correct, counted), 3),
+        "heldout_measured_tau": round(measured_acceptance(drafter, target, held_prompts, args.block_size), 3),
     }
 
 
@@ -299,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--tau-prompts", type=int, default=4, help="held-out prompts decoded at each evaluation to measure tau")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")

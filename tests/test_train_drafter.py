@@ -39,7 +39,7 @@ def test_trainer_checkpoints_resumes_and_exports_a_lossless_drafter(tmp_path, ca
     out = tmp_path / "run"
     common = ["--target", "smollm2-135m", "--output", str(out), "--draft-layers", "1", "--batch-size", "1",
               "--seq-len", "64", "--anchors", "2", "--eval-every", "2", "--save-every", "2", "--warmup", "1",
-              "--train-vocab", "512"]
+              "--train-vocab", "512", "--tau-prompts", "1"]
     assert main(common + ["--steps", "2"]) == 0
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 2
     assert main(common + ["--steps", "4"]) == 0
@@ -48,6 +48,7 @@ def test_trainer_checkpoints_resumes_and_exports_a_lossless_drafter(tmp_path, ca
     assert [r["step"] for r in curve] == [2, 4]
     assert curve[1]["tokens_seen"] > curve[0]["tokens_seen"] > 0
     assert len(curve[1]["heldout_accuracy_by_position"]) == 15
+    assert 1.0 <= curve[1]["heldout_measured_tau"] <= 16
 
     pipe = load_pipeline("smollm2-135m", drafter=str(out / "drafter"))
     assert pipe.drafter.config.num_target_layers == 30 and pipe.drafter.config.mask_token_id == 16
