@@ -238,6 +238,7 @@ def train(args: argparse.Namespace) -> None:
                                cpu_seconds + time.process_time() - started)
             curve.write(json.dumps(record) + "\n")
             curve.flush()
+            plot_learning_curve(out / "learning_curve.jsonl", out / "learning_curve.png")
             tqdm.write(f"step {step}: held-out loss {record['heldout_loss']:.3f}, "
                        f"acc@1 {record['heldout_accuracy_by_position'][0]:.3f}, tau estimated "
                        f"{record['heldout_estimated_tau']:.2f}, measured {record['heldout_measured_tau']:.2f}")
@@ -287,6 +288,34 @@ def _evaluate(drafter, target, heldout, held_feats, held_prompts, args, step, se
         "heldout_estimated_tau": round(estimated_acceptance(correct, counted), 3),
         "heldout_measured_tau": round(measured_acceptance(drafter, target, held_prompts, args.block_size), 3),
     }
+
+
+def plot_learning_curve(curve_path: Path, png_path: Path) -> None:
+    """tau (measured and estimated) and held-out block-position-1 accuracy against training tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in curve_path.read_text().splitlines() if line.strip()]
+    tokens = [r["tokens_seen"] / 1e6 for r in records]
+    fig, (tau, acc) = plt.subplots(1, 2, figsize=(11, 4))
+    measured = [(t, r["heldout_measured_tau"]) for t, r in zip(tokens, records) if "heldout_measured_tau" in r]
+    if measured:
+        tau.plot(*zip(*measured), marker="o", label="measured (greedy decoding, held-out prompts)")
+    tau.plot(tokens, [r["heldout_estimated_tau"] for r in records], marker=".", label="estimated from accuracies")
+    tau.set(xlabel="training tokens (millions)", ylabel="mean acceptance length tau", title="tau vs training tokens")
+    tau.legend()
+    acc.plot(tokens, [r["heldout_accuracy_by_position"][0] for r in records], marker=".", label="block position 1")
+    acc.plot(tokens, [r["heldout_accuracy_by_position"][-1] for r in records], marker=".", label="last position")
+    top = acc.twiny()
+    top.set_xlim(records[0]["cpu_hours"], records[-1]["cpu_hours"])
+    top.set_xlabel("CPU hours")
+    acc.set(xlabel="training tokens (millions)", ylabel="held-out accuracy", ylim=(0, 1))
+    acc.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
 
 
 def _save(drafter, optimizer, rng, out, step, seen_texts, seen_tokens, cpu_seconds, state_path) -> None:

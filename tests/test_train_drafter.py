@@ -49,6 +49,7 @@ def test_trainer_checkpoints_resumes_and_exports_a_lossless_drafter(tmp_path, ca
     assert curve[1]["tokens_seen"] > curve[0]["tokens_seen"] > 0
     assert len(curve[1]["heldout_accuracy_by_position"]) == 15
     assert 1.0 <= curve[1]["heldout_measured_tau"] <= 16
+    assert (out / "learning_curve.png").stat().st_size > 0
 
     pipe = load_pipeline("smollm2-135m", drafter=str(out / "drafter"))
     assert pipe.drafter.config.num_target_layers == 30 and pipe.drafter.config.mask_token_id == 16
