@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dflash_runtime.checkpoint import load_weights, read_safetensors  # noqa: E402
 from dflash_runtime.config import DFlashError, DrafterConfig, TransformerShape  # noqa: E402
 from dflash_runtime.drafter import DFlashDrafter, save_drafter  # noqa: E402
 from dflash_runtime.engine import SpeculativeEngine  # noqa: E402
@@ -184,7 +185,14 @@ def train(args: argparse.Namespace) -> None:
         raise DFlashError(f"{pipe.target_dir} has no tokenizer; the trainer needs one")
     s = target.config.shape
     layer_ids = tuple(args.target_layer_ids) if args.target_layer_ids else spread_layer_ids(s.num_layers, args.num_target_features)
-    drafter = new_drafter(target, args.draft_layers, args.block_size, args.mask_token_id, layer_ids)
+    if args.init:
+        # continue from an exported drafter (e.g. the committed one): weights only, a fresh optimizer
+        drafter = DFlashDrafter(DrafterConfig.from_dir(Path(args.init)))
+        drafter.config.check_against(target.config, args.init)
+        load_weights(drafter, read_safetensors(Path(args.init)), args.init, torch.float32, "cpu")
+        layer_ids = drafter.config.target_layer_ids
+    else:
+        drafter = new_drafter(target, args.draft_layers, args.block_size, args.mask_token_id, layer_ids)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     state_path = out / "checkpoint.pt"
     step, seen_texts, seen_tokens, cpu_seconds = 0, 0, 0, 0.0
@@ -330,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="preset name or HF checkpoint directory")
     p.add_argument("--output", required=True, help="directory for checkpoint.pt, learning_curve.jsonl and drafter/")
+    p.add_argument("--init", help="start from this exported drafter's weights (its config fixes the architecture)")
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, default=16,

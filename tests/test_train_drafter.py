@@ -51,6 +51,11 @@ def test_trainer_checkpoints_resumes_and_exports_a_lossless_drafter(tmp_path, ca
     assert 1.0 <= curve[1]["heldout_measured_tau"] <= 16
     assert (out / "learning_curve.png").stat().st_size > 0
 
+    # a new run can start from the exported drafter (how the committed drafter is trained further)
+    follow = [a if a != str(out) else str(tmp_path / "follow") for a in common]
+    assert main(follow + ["--steps", "1", "--init", str(out / "drafter")]) == 0
+    assert (tmp_path / "follow" / "drafter" / "model.safetensors").is_file()
+
     pipe = load_pipeline("smollm2-135m", drafter=str(out / "drafter"))
     assert pipe.drafter.config.num_target_layers == 30 and pipe.drafter.config.mask_token_id == 16
     prompt = pipe.encode("Name a color.")
