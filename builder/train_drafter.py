@@ -80,6 +80,37 @@ def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0):
         yield ids if len(ids) >= 32 else None
 
 
+_END = object()
+
+
+def training_batches(pipe: Pipeline, seq_len: int, batch_size: int, skip: int = 0):
+    """Endless batches of training sequences, each with the data cursor (texts read in this epoch)."""
+    cursor, texts, batch = skip, training_texts(pipe, seq_len, skip), []
+    while True:
+        ids = next(texts, _END)
+        if ids is _END:  # next epoch
+            cursor, texts = 0, training_texts(pipe, seq_len)
+            continue
+        cursor += 1
+        if ids is not None:
+            batch.append(ids)
+        if len(batch) == batch_size:
+            yield batch, cursor
+            batch = []
+
+
+def initial_drafter(args: argparse.Namespace, target: TargetModel) -> DFlashDrafter:
+    """A new drafter from the target's top layers, or (--init) an exported drafter to train further."""
+    if not args.init:
+        s = target.config.shape
+        layer_ids = tuple(args.target_layer_ids or spread_layer_ids(s.num_layers, args.num_target_features))
+        return new_drafter(target, args.draft_layers, args.block_size, args.mask_token_id, layer_ids)
+    drafter = DFlashDrafter(DrafterConfig.from_dir(Path(args.init)))  # its config fixes the architecture
+    drafter.config.check_against(target.config, args.init)
+    load_weights(drafter, read_safetensors(Path(args.init)), args.init, torch.float32, "cpu")
+    return drafter
+
+
 def frequent_tokens(pipe: Pipeline, count: int, sample: int = 3000) -> torch.Tensor:
     """The `count` most frequent token ids in the replies of the first `sample` training conversations."""
     counts = torch.zeros(pipe.target.config.shape.vocab_size)
@@ -183,16 +214,8 @@ def train(args: argparse.Namespace) -> None:
     target = pipe.target.requires_grad_(False)
     if pipe.tokenizer is None:
         raise DFlashError(f"{pipe.target_dir} has no tokenizer; the trainer needs one")
-    s = target.config.shape
-    layer_ids = tuple(args.target_layer_ids) if args.target_layer_ids else spread_layer_ids(s.num_layers, args.num_target_features)
-    if args.init:
-        # continue from an exported drafter (e.g. the committed one): weights only, a fresh optimizer
-        drafter = DFlashDrafter(DrafterConfig.from_dir(Path(args.init)))
-        drafter.config.check_against(target.config, args.init)
-        load_weights(drafter, read_safetensors(Path(args.init)), args.init, torch.float32, "cpu")
-        layer_ids = drafter.config.target_layer_ids
-    else:
-        drafter = new_drafter(target, args.draft_layers, args.block_size, args.mask_token_id, layer_ids)
+    drafter = initial_drafter(args, target)
+    layer_ids = drafter.config.target_layer_ids
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     state_path = out / "checkpoint.pt"
     step, seen_texts, seen_tokens, cpu_seconds = 0, 0, 0, 0.0
@@ -209,22 +232,14 @@ def train(args: argparse.Namespace) -> None:
         ((p, r) for p, r in sharegpt_conversations("heldout") if len(p) < 300), args.tau_prompts)]
     held_feats = target_features(target, heldout, layer_ids)
     vocab_subset = frequent_tokens(pipe, args.train_vocab) if args.train_vocab else None
-    texts = training_texts(pipe, args.seq_len, skip=seen_texts)
+    batches = training_batches(pipe, args.seq_len, args.batch_size, skip=seen_texts)
     curve = (out / "learning_curve.jsonl").open("a")
     started, session_start = time.process_time(), time.time()
     from tqdm import tqdm
 
     bar = tqdm(total=args.steps, initial=step, desc="train drafter", unit="step")
     while step < args.steps and (time.time() - session_start) / 60 < args.max_minutes:
-        batch = []
-        while len(batch) < args.batch_size:
-            ids = next(texts, "end")
-            if ids == "end":
-                texts, seen_texts = training_texts(pipe, args.seq_len), 0  # next epoch
-                continue
-            seen_texts += 1
-            if ids is not None:
-                batch.append(ids)
+        batch, seen_texts = next(batches)
         tokens, features, final = target_features(target, batch, layer_ids)
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
         for group in optimizer.param_groups:
