@@ -47,6 +47,7 @@ class SpeculativeEngine:
         if max_batch_size < 1:
             raise DFlashError(f"max batch size must be >= 1, got {max_batch_size}")
         self.target = target
+        self.device = target.device
         self.drafter = drafter if block_size > 1 else None
         self.block_size = block_size
         self.max_context = min(max_context or 2048, target.config.max_position_embeddings)
@@ -116,27 +117,27 @@ class SpeculativeEngine:
 
     def _prefill(self, seq: Sequence) -> list[int]:
         n = len(seq.prompt_ids)
-        slots = torch.tensor([seq.slot])
-        tokens = torch.tensor([seq.prompt_ids])
-        positions = torch.arange(n)[None]
+        slots = self._tensor([seq.slot])
+        tokens = self._tensor([seq.prompt_ids])
+        positions = torch.arange(n, device=self.device)[None]
         t0 = time.perf_counter()
         logits, features = self.target(tokens, positions, self.target_cache, slots, self.feature_layers, last_only=True)
-        self.target_cache.crop(slots, torch.tensor([n]))
+        self.target_cache.crop(slots, self._tensor([n]))
         if self.drafter is not None:
             self.drafter.inject_context(features, positions, self.draft_cache, slots)
-            self.draft_cache.crop(slots, torch.tensor([n]))
+            self.draft_cache.crop(slots, self._tensor([n]))
         seq.stats.verify_seconds += time.perf_counter() - t0
         return self._commit(seq, choose_tokens(logits[0], seq.params, n))
 
     def _speculate(self, batch: list[Sequence]) -> list[list[int]]:
         """One draft pass and one verify pass for the whole batch; returns each sequence's new tokens."""
-        slots = torch.tensor([s.slot for s in batch])
-        starts = torch.tensor([s.last_position for s in batch])
-        positions = starts[:, None] + torch.arange(self.block_size)  # [B, S]
-        block = torch.tensor([[s.output_ids[-1]] for s in batch])  # [B, 1]
+        slots = self._tensor([s.slot for s in batch])
+        starts = self._tensor([s.last_position for s in batch])
+        positions = starts[:, None] + torch.arange(self.block_size, device=self.device)  # [B, S]
+        block = self._tensor([[s.output_ids[-1]] for s in batch])  # [B, 1]
         t0 = time.perf_counter()
         if self.drafter is not None:
-            masks = torch.full((len(batch), self.block_size - 1), self.drafter.config.mask_token_id)
+            masks = torch.full((len(batch), self.block_size - 1), self.drafter.config.mask_token_id, device=self.device)
             block = torch.cat([block, masks], dim=1)
             hidden = self.drafter(self.target.embed(block), positions, self.draft_cache, slots)
             block[:, 1:] = self.target.lm_head(hidden[:, 1:]).argmax(-1)
@@ -152,7 +153,7 @@ class SpeculativeEngine:
             seq.stats.record(a, self.block_size)
             accepted.append(a)
         # block[0..a] are now committed context; the bonus token's K/V comes with the next block
-        committed = starts + torch.tensor(accepted) + 1
+        committed = starts + self._tensor(accepted) + 1
         self.target_cache.crop(slots, committed)
         if self.drafter is not None:
             self.drafter.inject_context(features, positions, self.draft_cache, slots)
@@ -166,6 +167,9 @@ class SpeculativeEngine:
         return new_tokens
 
     # -- bookkeeping ------------------------------------------------------------------------
+    def _tensor(self, data) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
     def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append tokens up to the first stop condition; returns what was appended."""
         p = seq.params

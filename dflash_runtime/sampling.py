@@ -85,7 +85,7 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, first_position: 
     probs = target_probabilities(logits, params)
     cdf = probs.cumsum(-1)
     u = torch.tensor([[position_uniform(params.seed, first_position + t)] for t in range(len(probs))],
-                     dtype=cdf.dtype)
+                     dtype=cdf.dtype, device=cdf.device)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     # u * total < total, so the index is in range unless rounding pushes it past the last nonzero
     return tokens.clamp_max(probs.shape[-1] - 1).tolist()
