@@ -63,7 +63,7 @@ class SpeculativeEngine:
         self.free_slots = list(range(max_batch_size))
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def add_request(self, prompt_ids: Seq[int], params: SamplingParams) -> Sequence:
         prompt_ids = [int(t) for t in prompt_ids]
         vocab = self.target.config.shape.vocab_size
         if not prompt_ids:
@@ -77,8 +77,6 @@ class SpeculativeEngine:
         if params.stop_strings and self.decode is None:
             raise DFlashError("stop strings need a tokenizer")
         seq = Sequence(prompt_ids, params.with_seed())
-        if request_id is not None:
-            seq.request_id = request_id
         self.waiting.append(seq)
         return seq
 

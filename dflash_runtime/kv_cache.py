@@ -18,13 +18,6 @@ class KVCache:
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)  # committed tokens per slot
         self.capacity = capacity
 
-    @property
-    def num_slots(self) -> int:
-        return self.k.shape[1]
-
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [B]; positions: [B, T]; k, v: [B, T, KV, D]
         self.check_positions(positions)

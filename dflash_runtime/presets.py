@@ -44,12 +44,6 @@ PRESETS = {p.name: p for p in [
 DEFAULT_PRESET = "smollm2-135m"
 
 
-def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise DFlashError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
-    return PRESETS[name]
-
-
 def resolve_checkpoint(ref: str) -> Path:
     """A checkpoint directory from a path, a repo-relative path, $DFLASH_MODEL_DIR/<name>, or the local HF cache."""
     for candidate in (Path(ref), REPO_ROOT / ref):

@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams, SamplingStats
-
-_ids = itertools.count()
 
 
 class Status(enum.Enum):
@@ -20,7 +17,6 @@ class Status(enum.Enum):
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length", "cancelled"
