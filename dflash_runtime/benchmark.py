@@ -89,13 +89,7 @@ def measure(pipe, hf, autoregressive, dflash, prompts: list[list[int]], max_new_
         outputs.append(modes["dflash"].timed(lambda: _run_to_end(dflash, seq)))
         same = all(o == outputs[0] for o in outputs)
         identical += same
-        stats.acceptance_lengths += seq.stats.acceptance_lengths
-        stats.draft_seconds += seq.stats.draft_seconds
-        stats.verify_seconds += seq.stats.verify_seconds
-        for k, c in enumerate(seq.stats.accepted_by_position):
-            if k == len(stats.accepted_by_position):
-                stats.accepted_by_position.append(0)
-            stats.accepted_by_position[k] += c
+        stats.merge(seq.stats)
         print(f"[{label} {n}/{len(prompts)}] {len(ids)} prompt tokens, {len(seq.output_ids)} new, "
               f"tau {seq.stats.mean_acceptance_length:.2f}, identical: {same}", file=sys.stderr)
     steps = max(1, len(stats.acceptance_lengths))

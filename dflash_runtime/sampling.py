@@ -102,10 +102,21 @@ class SamplingStats:
 
     def record(self, accepted: int, block_size: int) -> None:
         self.acceptance_lengths.append(accepted + 1)
-        if len(self.accepted_by_position) < block_size - 1:
-            self.accepted_by_position += [0] * (block_size - 1 - len(self.accepted_by_position))
+        self._extend_positions(block_size - 1)
         for k in range(accepted):
             self.accepted_by_position[k] += 1
+
+    def merge(self, other: "SamplingStats") -> None:
+        """Add another request's statistics (for a summary over many requests)."""
+        self.acceptance_lengths += other.acceptance_lengths
+        self._extend_positions(len(other.accepted_by_position))
+        for k, count in enumerate(other.accepted_by_position):
+            self.accepted_by_position[k] += count
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+
+    def _extend_positions(self, n: int) -> None:
+        self.accepted_by_position += [0] * max(0, n - len(self.accepted_by_position))
 
     @property
     def mean_acceptance_length(self) -> float:

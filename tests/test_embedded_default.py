@@ -46,3 +46,18 @@ def test_stop_string_ends_generation_and_is_cut_from_the_text(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["finish_reason"] == "stop"
     assert "Paris" not in result["text"] and result["text"].startswith("The capital of France is")
+
+
+def test_benchmark_reports_side_by_side_and_checks_identity(tmp_path, capsys):
+    from dflash_runtime.benchmark import main as bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Name three colors."}\n')
+    assert bench(["--prompts", "chat", str(prompts), "--num-prompts", "1", "--max-new-tokens", "12", "--no-hf",
+                  "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png")]) == 0
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    for result in summary["prompt_sets"].values():
+        assert result["token_identical_prompts"] == "1/1"
+        assert result["mean_acceptance_length"] >= 1 and len(result["acceptance_by_position"]) == 15
+        assert set(result["tokens_per_second"]) == {"autoregressive", "dflash"}
+    assert (tmp_path / "bench.png").stat().st_size > 0
