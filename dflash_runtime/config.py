@@ -218,6 +218,8 @@ class DrafterConfig:
         problems = []
         if self.shape.hidden_size != t.hidden_size:
             problems.append(f"hidden_size {self.shape.hidden_size} != target's {t.hidden_size}")
+        if self.shape.vocab_size != t.vocab_size:
+            problems.append(f"vocab_size {self.shape.vocab_size} != target's {t.vocab_size}")
         if self.num_target_layers != t.num_layers:
             problems.append(f"num_target_layers {self.num_target_layers} != target's {t.num_layers} layers")
         bad = [i for i in self.target_layer_ids if not 0 <= i < t.num_layers]

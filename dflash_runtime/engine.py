@@ -24,6 +24,7 @@ from .target import TargetModel
 class StepOutput:
     sequence: Sequence
     new_token_ids: list[int]
+    acceptance_length: int | None = None  # accepted drafts + 1 for a verify step; None for a prefill
 
     @property
     def finished(self) -> bool:
@@ -61,6 +62,7 @@ class SpeculativeEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch_size))
+        self.last_step_seconds = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}  # for latency metrics
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams) -> Sequence:
@@ -102,6 +104,7 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         outputs = []
+        self.last_step_seconds = dict.fromkeys(self.last_step_seconds, 0.0)
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
@@ -110,7 +113,8 @@ class SpeculativeEngine:
             outputs.append(StepOutput(seq, self._prefill(seq)))
         batch = list(self.running)
         if batch:
-            outputs += [StepOutput(s, new) for s, new in zip(batch, self._speculate(batch))]
+            new_tokens = self._speculate(batch)
+            outputs += [StepOutput(s, new, s.stats.acceptance_lengths[-1]) for s, new in zip(batch, new_tokens)]
         return outputs
 
     def _prefill(self, seq: Sequence) -> list[int]:
@@ -124,7 +128,9 @@ class SpeculativeEngine:
         if self.drafter is not None:
             self.drafter.inject_context(features, positions, self.draft_cache, slots)
             self.draft_cache.crop(slots, self._tensor([n]))
-        seq.stats.verify_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        seq.stats.verify_seconds += seconds
+        self.last_step_seconds["prefill"] += seconds
         return self._commit(seq, choose_tokens(logits[0], seq.params, n))
 
     def _speculate(self, batch: list[Sequence]) -> list[list[int]]:
@@ -157,6 +163,8 @@ class SpeculativeEngine:
             self.drafter.inject_context(features, positions, self.draft_cache, slots)
             self.draft_cache.crop(slots, committed)
         t2 = time.perf_counter()
+        self.last_step_seconds["draft"] = t1 - t0
+        self.last_step_seconds["verify"] = t2 - t1
         new_tokens = []
         for seq, a, target_tokens in zip(batch, accepted, chosen):
             seq.stats.draft_seconds += t1 - t0

@@ -11,6 +11,7 @@ from .drafter import DFlashDrafter, load_drafter
 from .engine import SpeculativeEngine
 from .presets import Preset, resolve_checkpoint, resolve_target
 from .target import TargetModel, load_target
+from .text import decode, encode_prompt, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,16 +35,10 @@ class Pipeline:
         """Token ids of a prompt; with chat, `text` is a user message wrapped in the chat template."""
         if self.tokenizer is None:
             raise DFlashError(f"{self.target_dir} has no tokenizer: pass token ids instead of text")
-        if not text:
-            raise DFlashError("empty prompt")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(text)
+        return encode_prompt(self.tokenizer, text, chat)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode(self.tokenizer, ids)
 
 
 def load_pipeline(target: str, drafter: str | None = "preset", dtype: str = "float32",
@@ -56,12 +51,4 @@ def load_pipeline(target: str, drafter: str | None = "preset", dtype: str = "flo
     if drafter == "preset":
         drafter = preset.drafter if preset else None
     draft_model = load_drafter(resolve_checkpoint(drafter), model.config, DTYPES[dtype], device) if drafter else None
-    return Pipeline(model, draft_model, _load_tokenizer(target_dir), preset, target_dir)
-
-
-def _load_tokenizer(path: Path):
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+    return Pipeline(model, draft_model, load_tokenizer(target_dir), preset, target_dir)

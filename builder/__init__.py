@@ -1,0 +1,1 @@
+"""The builder: turns a target checkpoint and its DFlash drafter into deployable artifacts."""

@@ -1,0 +1,342 @@
+"""python builder/build.py: a target and its DFlash drafter -> a deployable, self-describing build.
+
+    <output>/
+      target/            the target checkpoint (a ModelOpt unified HF checkpoint with --quant)
+      drafter/           the DFlash drafter (z-lab format)
+      model_repository/  the Triton model repository rendered for this build
+      manifest.json      inputs (ids, paths, file hashes), options, package versions, quantization
+                         report, sanity run (tau, speed, token identity), time taken
+
+The build is written to a temporary folder beside <output> and renamed at the end: a failed or
+interrupted build never looks complete. Re-running with the same inputs and options reuses the
+existing build (compared by hash); --force rebuilds.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from builder.render import TORCH_MODELS, render_repository
+from dflash_runtime.config import DFlashError, DrafterConfig, TargetConfig
+from dflash_runtime.presets import DEFAULT_PRESET, PRESETS, resolve_checkpoint, resolve_target
+
+REPOSITORY_DIR = "model_repository"
+MANIFEST_FILE = "manifest.json"
+TARGET_DIR = "target"
+DRAFTER_DIR = "drafter"
+RUNTIMES = ("torch", "trtllm")
+QUANTIZATIONS = ("none", "fp8", "nvfp4")
+PACKAGES = ("torch", "transformers", "nvidia-modelopt", "tritonclient", "nvidia-pytriton", "tensorrt-llm")
+SANITY_PROMPTS = ["Explain what a hash table is and when to use one.", "Write a haiku about autumn."]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    target: str
+    drafter: str  # "preset", a directory, or "none"
+    runtime: str = "torch"
+    quant: str = "none"
+    kv_cache: str = "none"
+    calib_samples: int = 128
+    block_size: int | None = None
+    max_batch_size: int = 8
+    max_context: int | None = None
+    max_queue_size: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+    sanity_tokens: int = 32
+
+
+@dataclass
+class Inputs:
+    target_dir: Path
+    drafter_dir: Path | None
+    preset: str | None
+    block_size: int
+    max_context: int
+
+
+def resolve_inputs(opts: BuildOptions) -> Inputs:
+    """Find the checkpoints and check that the drafter fits the target, before any heavy work."""
+    if opts.runtime not in RUNTIMES:
+        raise DFlashError(f"unknown runtime {opts.runtime!r} (known: {', '.join(RUNTIMES)})")
+    if opts.quant not in QUANTIZATIONS:
+        raise DFlashError(f"unknown quantization {opts.quant!r} (known: {', '.join(QUANTIZATIONS)})")
+    if opts.kv_cache not in ("none", "fp8"):
+        raise DFlashError(f"unknown KV-cache quantization {opts.kv_cache!r} (known: none, fp8)")
+    if opts.kv_cache == "fp8" and opts.quant == "none":
+        raise DFlashError("--kv-cache fp8 needs --quant fp8 or nvfp4 (the KV scales are calibrated with the weights)")
+    if opts.max_batch_size < 1 or opts.max_queue_size < 0 or opts.calib_samples < 1:
+        raise DFlashError("--max-batch-size and --calib-samples must be >= 1, --max-queue-size >= 0")
+    target_dir, preset = resolve_target(opts.target)
+    drafter_ref = (preset.drafter if preset else None) if opts.drafter == "preset" else opts.drafter
+    if drafter_ref in (None, "none"):
+        drafter_dir = None
+    else:
+        drafter_dir = resolve_checkpoint(drafter_ref)
+    target_config = TargetConfig.from_dir(target_dir)
+    block_size = opts.block_size or 1
+    if drafter_dir is not None:
+        drafter_config = DrafterConfig.from_dir(drafter_dir)
+        drafter_config.check_against(target_config, str(drafter_dir))
+        block_size = opts.block_size or drafter_config.block_size
+        if block_size > drafter_config.block_size:
+            raise DFlashError(f"--block-size {block_size} is larger than the drafter supports ({drafter_config.block_size})")
+    elif block_size != 1:
+        raise DFlashError(f"--block-size {block_size} needs a drafter")
+    max_context = opts.max_context or (preset.max_context if preset else 2048)
+    return Inputs(target_dir, drafter_dir, preset.name if preset else None, block_size, max_context)
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    hashes = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+        hashes[str(path.relative_to(folder))] = digest.hexdigest()
+    return hashes
+
+
+def build_key(inputs: Inputs, opts: BuildOptions, hashes: dict) -> str:
+    blob = json.dumps({"options": asdict(opts), "block_size": inputs.block_size, "max_context": inputs.max_context,
+                       "hashes": hashes}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
+    steps = [f"target   {inputs.target_dir}" + (f" (preset {inputs.preset})" if inputs.preset else ""),
+             f"drafter  {inputs.drafter_dir or 'none (plain autoregressive)'}, block size {inputs.block_size}"]
+    if opts.quant == "none":
+        steps.append(f"copy the target into {output / TARGET_DIR}")
+    else:
+        steps.append(f"quantize the target with ModelOpt: {opts.quant}, KV cache {opts.kv_cache}, "
+                     f"{opts.calib_samples} ShareGPT calibration samples -> {output / TARGET_DIR}")
+    steps.append(f"copy the drafter into {output / DRAFTER_DIR}" if inputs.drafter_dir else "no drafter to copy")
+    steps.append(f"render the Triton model repository ({', '.join(TORCH_MODELS)}) into {output / REPOSITORY_DIR}: "
+                 f"max batch {opts.max_batch_size}, context {inputs.max_context}, {opts.dtype} on {opts.device}")
+    if opts.sanity_tokens:
+        steps.append(f"sanity run: {len(SANITY_PROMPTS)} prompts x {opts.sanity_tokens} tokens, "
+                     "autoregressive vs DFlash, token identity, tau")
+    steps.append(f"write {output / MANIFEST_FILE}")
+    return steps
+
+
+def copy_checkpoint(source: Path, destination: Path) -> None:
+    """Hard links where the filesystem allows (checkpoints are never modified in place), else copies."""
+    destination.mkdir(parents=True)
+    for path in source.rglob("*"):
+        if path.is_dir() or path.name.startswith("."):
+            continue
+        out = destination / path.relative_to(source)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path.resolve(), out)
+        except OSError:
+            shutil.copy2(path, out)
+
+
+def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
+    # Paths are relative to the repository root, so the build folder can move (a volume, a container).
+    return {
+        "max_batch_size": opts.max_batch_size,
+        "tokenizer_dir": f"../{TARGET_DIR}",
+        "target_dir": f"../{TARGET_DIR}",
+        "drafter_dir": f"../{DRAFTER_DIR}" if inputs.drafter_dir else "",
+        "block_size": inputs.block_size,
+        "max_context": inputs.max_context,
+        "max_queue_size": opts.max_queue_size,
+        "dtype": opts.dtype,
+        "device": opts.device,
+        "preprocessing_instances": 1,
+        "postprocessing_instances": 1,
+    }
+
+
+def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
+    """Autoregressive vs DFlash on the built artifacts: token identity, tau and speed."""
+    from dflash_runtime.benchmark import measure
+    from dflash_runtime.pipeline import load_pipeline
+
+    drafter = str(build / DRAFTER_DIR) if inputs.drafter_dir else None
+    pipe = load_pipeline(str(build / TARGET_DIR), drafter, opts.dtype, opts.device)
+    prompts = [pipe.encode(p) for p in SANITY_PROMPTS]
+    autoregressive = pipe.engine(block_size=1, max_batch_size=1, max_context=inputs.max_context)
+    dflash = pipe.engine(block_size=inputs.block_size, max_batch_size=1, max_context=inputs.max_context)
+    return measure(pipe, None, autoregressive, dflash, prompts, opts.sanity_tokens, "sanity")
+
+
+def package_versions() -> dict[str, str | None]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
+    """Build into `output`; returns the manifest. Reuses an existing identical build unless `force`."""
+    started = time.time()
+    inputs = resolve_inputs(opts)
+    output = output.resolve()
+    _check_writable(output.parent)
+    hashes = {"target": file_hashes(inputs.target_dir),
+              "drafter": file_hashes(inputs.drafter_dir) if inputs.drafter_dir else {}}
+    key = build_key(inputs, opts, hashes)
+    existing = output / MANIFEST_FILE
+    if existing.is_file() and not force:
+        manifest = json.loads(existing.read_text())
+        if manifest.get("build_key") == key:
+            manifest["reused"] = True
+            return manifest
+    stage = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
+    try:
+        manifest = _build_into(stage, inputs, opts, hashes, key, started)
+        if output.exists():
+            old = output.with_name(f".{output.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            output.rename(old)
+            stage.rename(output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            stage.rename(output)
+    except OSError as e:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise DFlashError(f"writing the build failed ({e.strerror or e}: {e.filename or stage}); nothing was "
+                          "published. Check free disk space and permissions.") from None
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _build_into(stage: Path, inputs: Inputs, opts: BuildOptions, hashes: dict, key: str, started: float) -> dict:
+    quantization = None
+    if opts.quant == "none":
+        copy_checkpoint(inputs.target_dir, stage / TARGET_DIR)
+    else:
+        from builder.quantize import quantize_target
+
+        quantization = quantize_target(inputs.target_dir, stage / TARGET_DIR, opts.quant, opts.kv_cache,
+                                       opts.calib_samples)
+    if inputs.drafter_dir:
+        copy_checkpoint(inputs.drafter_dir, stage / DRAFTER_DIR)
+    configs = render_repository(stage / REPOSITORY_DIR, repository_values(inputs, opts))
+    sanity = sanity_run(stage, inputs, opts) if opts.sanity_tokens else None
+    manifest = {
+        "build_key": key,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "inputs": {"target": opts.target, "target_dir": str(inputs.target_dir), "preset": inputs.preset,
+                   "drafter_dir": str(inputs.drafter_dir) if inputs.drafter_dir else None, "file_sha256": hashes},
+        "options": {**asdict(opts), "block_size": inputs.block_size, "max_context": inputs.max_context},
+        "artifacts": {"target": TARGET_DIR, "drafter": DRAFTER_DIR if inputs.drafter_dir else None,
+                      "model_repository": REPOSITORY_DIR,
+                      "models": [c.parent.name for c in configs]},
+        "quantization": quantization,
+        "sanity": sanity,
+        "versions": {"python": platform.python_version(), **package_versions()},
+        "seconds": round(time.time() - started, 1),
+    }
+    (stage / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"cannot create the output's parent folder {folder}: {e.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise DFlashError(f"the output's parent folder {folder} is not writable")
+
+
+def summary(manifest: dict, output: Path) -> str:
+    options, sanity = manifest["options"], manifest.get("sanity") or {}
+    rows = [("build", str(output) + ("  (reused: inputs unchanged)" if manifest.get("reused") else "")),
+            ("target", f"{manifest['inputs']['target']} ({manifest['inputs']['target_dir']})"),
+            ("drafter", manifest["inputs"]["drafter_dir"] or "none"),
+            ("runtime", f"{options['runtime']}, {options['dtype']} on {options['device']}, "
+                        f"block {options['block_size']}, max batch {options['max_batch_size']}"),
+            ("quantization", options["quant"] + (f", KV {options['kv_cache']}" if options["quant"] != "none" else ""))]
+    if sanity:
+        rates = sanity["tokens_per_second"]
+        rows += [("sanity", f"tau {sanity['mean_acceptance_length']}, DFlash {rates['dflash']} tok/s vs "
+                            f"autoregressive {rates['autoregressive']} tok/s "
+                            f"({sanity['speedup_dflash_vs_autoregressive']}x), "
+                            f"token-identical {sanity['token_identical_prompts']}")]
+    rows += [("repository", str(output / REPOSITORY_DIR)), ("time", f"{manifest['seconds']} s"),
+             ("serve", f"dflash-serve {output / REPOSITORY_DIR}")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    presets = "\n".join(f"  {p.name:<20} {p.description}" for p in PRESETS.values())
+    parser = argparse.ArgumentParser(
+        prog="build.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        epilog=f"presets:\n{presets}\n\nexamples:\n"
+               "  python builder/build.py                                   # embedded default -> builds/smollm2-135m\n"
+               "  python builder/build.py --target smollm2-135m --quant fp8 --output builds/smollm2-fp8\n"
+               "  python builder/build.py --target qwen3-8b --dry-run       # print the plan only\n"
+               "  python builder/build.py --target ./my-llama --drafter ./my-drafter --output builds/mine\n\n"
+               "runtimes: torch = this project's PyTorch engine (CPU or CUDA). TensorRT-LLM supports DFlash only in "
+               "its PyTorch backend (>= 1.3, LLM API); the legacy trtllm-build engine flow has no DFlash.")
+    parser.add_argument("--target", default=DEFAULT_PRESET, help=f"preset or HF checkpoint directory (default: {DEFAULT_PRESET})")
+    parser.add_argument("--drafter", default="preset", help="drafter directory, 'preset' (default) or 'none'")
+    parser.add_argument("--output", type=Path, help="build folder (default: builds/<target name>)")
+    parser.add_argument("--runtime", default="torch", choices=RUNTIMES)
+    parser.add_argument("--quant", default="none", choices=QUANTIZATIONS, help="ModelOpt quantization of the target")
+    parser.add_argument("--kv-cache", default="none", choices=["none", "fp8"], help="KV-cache quantization (with --quant)")
+    parser.add_argument("--calib-samples", type=int, default=128, help="ShareGPT calibration prompts for --quant")
+    parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
+    parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (KV-cache slots)")
+    parser.add_argument("--max-context", type=int, help="context limit in tokens (default: the preset's, else 2048)")
+    parser.add_argument("--max-queue-size", type=int, default=64, help="requests that may wait for a slot")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="torch runtime device (cpu, cuda)")
+    parser.add_argument("--sanity-tokens", type=int, default=32, help="tokens per sanity prompt; 0 skips the run")
+    parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    opts = BuildOptions(target=args.target, drafter=args.drafter, runtime=args.runtime, quant=args.quant,
+                        kv_cache=args.kv_cache, calib_samples=args.calib_samples, block_size=args.block_size,
+                        max_batch_size=args.max_batch_size, max_context=args.max_context,
+                        max_queue_size=args.max_queue_size, dtype=args.dtype, device=args.device,
+                        sanity_tokens=args.sanity_tokens)
+    output = args.output or Path("builds") / Path(args.target).name
+    try:
+        if args.dry_run:
+            print("plan:\n" + "\n".join(f"  {n}. {s}" for n, s in enumerate(plan(resolve_inputs(opts), opts, output), 1)))
+            return 0
+        manifest = build(opts, output, force=args.force)
+    except DFlashError as e:
+        print(f"build.py: error: {e}", file=sys.stderr)
+        return 2
+    print(summary(manifest, output))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

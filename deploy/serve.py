@@ -1,0 +1,212 @@
+"""dflash-serve: run a real `tritonserver` on a rendered model repository.
+
+On a GPU machine (the NGC Triton TensorRT-LLM container) `tritonserver` is on PATH with its own
+backends. Elsewhere the server binary and Python backend bundled in the `nvidia-pytriton` wheel are
+used: the wheel ships the backend stub per Python version, so we lay out a backend directory with
+the 3.11 stub, put the wheel's libraries on LD_LIBRARY_PATH, and make the stub's embedded Python
+see this environment's packages (the stub links the system libpython, not this interpreter).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+# The one source for ports and probe paths: the launcher, the clients' defaults and the Kubernetes
+# manifests all read them from here.
+PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+READY_PATH = "/v2/health/ready"
+LIVE_PATH = "/v2/health/live"
+METRICS_PATH = "/metrics"
+# Seconds tritonserver waits for in-flight requests on shutdown before it gives up on them.
+EXIT_TIMEOUT_S = 30
+
+
+class ServeError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bundled_server() -> tuple[Path, Path, dict[str, str]]:
+    """(tritonserver binary, backend directory, extra environment) from the nvidia-pytriton wheel."""
+    try:
+        import pytriton
+    except ImportError:
+        raise ServeError("no `tritonserver` on PATH and the nvidia-pytriton package is not installed "
+                         "(pip install nvidia-pytriton==0.7.0, or run in the NGC Triton container)") from None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServeError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
+    runtime = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
+    backend = runtime / "backends" / "python"
+    backend.mkdir(parents=True)
+    for source in (root / "backends" / "python").iterdir():
+        (backend / source.name).symlink_to(source)
+    (backend / stub.name).symlink_to(stub)
+    # The stub embeds the system's libpython 3.11 in isolated mode (PYTHONPATH is ignored) and takes
+    # its prefix from the `python3` found on PATH. So we put a tiny virtual environment first on PATH:
+    # the system's python3.11 (its standard library matches the libpython the stub links; this
+    # environment's own python may be another 3.11 build whose extension modules do not link
+    # against it) whose site-packages holds one .pth that adds this environment's site directories
+    # (with their own .pth files: editable installs).
+    shim = runtime / "python"
+    (shim / "bin").mkdir(parents=True)
+    system_python = Path("/usr/bin/python3.11")
+    if not system_python.exists():
+        raise ServeError(f"the Python backend stub needs the system's Python 3.11 ({system_python}, apt install python3.11)")
+    (shim / "bin" / "python3").symlink_to(system_python)
+    (shim / "pyvenv.cfg").write_text(f"home = {system_python.parent}\ninclude-system-site-packages = false\n")
+    site = shim / "lib" / f"python{version}" / "site-packages"
+    site.mkdir(parents=True)
+    site_dirs = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    (site / "dflash_serve_environment.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n")
+    libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+    env = {
+        "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(libs), os.environ.get("LD_LIBRARY_PATH")])),
+        "PATH": os.pathsep.join([str(shim / "bin"), os.environ.get("PATH", "")]),
+    }
+    return root / "bin" / "tritonserver", runtime / "backends", env
+
+
+@dataclass
+class TritonServer:
+    """A running tritonserver process and where to reach it."""
+
+    process: subprocess.Popen
+    ports: dict[str, int]
+    log_path: Path | None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.ports['grpc']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.ports['metrics']}{METRICS_PATH}"
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{READY_PATH}", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServeError(f"tritonserver exited with code {self.process.returncode} before it was ready"
+                                 + self._log_hint())
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        self.stop()
+        raise ServeError(f"tritonserver was not ready after {timeout:.0f} s" + self._log_hint())
+
+    def stop(self, timeout: float = EXIT_TIMEOUT_S + 10) -> int:
+        """SIGTERM (tritonserver drains in-flight requests), then SIGKILL if it does not exit."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def _log_hint(self) -> str:
+        tail = "\n".join(self.log().splitlines()[-30:])
+        return f"\n--- server log ({self.log_path}) ---\n{tail}" if tail else ""
+
+    def __enter__(self) -> "TritonServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_port: int = PORTS["grpc"],
+                 metrics_port: int = PORTS["metrics"], log_path: Path | None = None, log_verbose: int = 0,
+                 ready_timeout: float = 300) -> TritonServer:
+    """Start tritonserver on `repository` and wait until it is ready. Port 0 picks a free port."""
+    repository = Path(repository).resolve()
+    if not repository.is_dir():
+        raise ServeError(f"model repository {repository} does not exist (build one with builder/build.py)")
+    ports = {"http": http_port or free_port(), "grpc": grpc_port or free_port(),
+             "metrics": metrics_port or free_port()}
+    binary = shutil.which("tritonserver")
+    env = dict(os.environ)
+    backend_args = []
+    if binary is None:
+        binary, backends, extra_env = _bundled_server()
+        env.update(extra_env)
+        backend_args = [f"--backend-directory={backends}"]
+    command = [str(binary), f"--model-repository={repository}", *backend_args,
+               f"--http-port={ports['http']}", f"--grpc-port={ports['grpc']}",
+               f"--metrics-port={ports['metrics']}", "--allow-metrics=true",
+               f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--log-verbose={log_verbose}"]
+    log = open(log_path, "ab") if log_path else None
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
+    server = TritonServer(process, ports, log_path)
+    server.wait_ready(ready_timeout)
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dflash-serve",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start tritonserver on a model repository rendered by builder/build.py, wait until it is "
+                    "ready, and keep serving until interrupted (SIGINT/SIGTERM drain in-flight requests).",
+        epilog="examples:\n"
+               "  dflash-serve builds/smollm2-135m/model_repository\n"
+               "  dflash-serve REPO --grpc-port 0 --http-port 0 --metrics-port 0    # free ports, printed when ready\n\n"
+               "GPU: in nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 the same command uses the container's "
+               "tritonserver and backends.")
+    parser.add_argument("repository", help="rendered model repository (<build>/model_repository)")
+    parser.add_argument("--http-port", type=int, default=PORTS["http"], help="0 = pick a free port")
+    parser.add_argument("--grpc-port", type=int, default=PORTS["grpc"], help="0 = pick a free port")
+    parser.add_argument("--metrics-port", type=int, default=PORTS["metrics"], help="0 = pick a free port")
+    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbosity (0 = info)")
+    parser.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for readiness")
+    args = parser.parse_args(argv)
+    try:
+        server = start_server(args.repository, args.http_port, args.grpc_port, args.metrics_port,
+                              log_verbose=args.log_verbose, ready_timeout=args.ready_timeout)
+    except ServeError as e:
+        print(f"dflash-serve: {e}", file=sys.stderr)
+        return 1
+    print(f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.process.send_signal(signal.SIGTERM))
+    return server.process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

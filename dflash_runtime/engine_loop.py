@@ -1,0 +1,192 @@
+"""The serving loop: one thread owns the engine and steps it while requests come and go.
+
+Requests are submitted from server threads; between steps the loop drops cancelled requests and
+the engine admits waiting ones (continuous batching), then one step drafts and verifies the whole
+running batch, and every request with new tokens gets a chunk. A server translates chunks into its
+own responses through the `Stream` it passes in; nothing here knows which server that is.
+"""
+from __future__ import annotations
+
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence as Seq
+
+from .config import DFlashError
+from .engine import SpeculativeEngine, StepOutput
+from .sampling import SamplingParams, SamplingStats
+from .sequence import Sequence
+from .text import token_window
+
+
+class QueueFull(DFlashError):
+    """The server is at capacity: retrying later can succeed (unlike other DFlashErrors)."""
+
+
+@dataclass
+class Chunk:
+    """New output for one request: `token_ids[read_offset:]` are new, the rest is decoding context."""
+
+    token_ids: list[int]
+    read_offset: int
+    finished: bool
+    finish_reason: str | None
+    stats: SamplingStats
+    block_size: int
+
+
+class Stream(Protocol):
+    def send(self, chunk: Chunk) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class _Request:
+    sequence: Sequence
+    stream: Stream
+    streaming: bool
+    shown: int = 0  # output tokens already sent
+
+
+@dataclass
+class StepReport:
+    """What one loop iteration did, for metrics."""
+
+    acceptance_lengths: list[int] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # prefill / draft / verify
+    new_tokens: int = 0
+    active: int = 0
+    queued: int = 0
+    kv_cache_utilization: float = 0.0  # committed tokens / token capacity of all slots
+    cancelled: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine: SpeculativeEngine, max_queue_size: int = 64,
+                 on_step: Callable[[StepReport], None] | None = None):
+        if max_queue_size < 0:
+            raise DFlashError(f"max queue size must be >= 0, got {max_queue_size}")
+        self.engine = engine
+        self.max_queue_size = max_queue_size
+        self.on_step = on_step
+        self._requests: dict[Sequence, _Request] = {}
+        self._lock = threading.Lock()  # guards the engine's queues and self._requests
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="dflash-engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: Seq[int], params: SamplingParams, stream: Stream, streaming: bool = True) -> None:
+        """Queue a request; raises DFlashError for bad input and QueueFull when the queue is full."""
+        with self._lock:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.engine.waiting) >= self.max_queue_size:
+                raise QueueFull(f"the server is at capacity ({len(self.engine.running)} running, "
+                                f"{len(self.engine.waiting)} queued, queue limit {self.max_queue_size}); retry later")
+            limit = self.engine.max_context
+            if len(prompt_ids) < limit and len(prompt_ids) + params.max_new_tokens > limit:
+                raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
+                                  f"the context limit of {limit} tokens")
+            seq = self.engine.add_request(prompt_ids, params)
+            self._requests[seq] = _Request(seq, stream, streaming)
+        self._wake.set()
+
+    def stop(self, message: str = "the server is shutting down") -> None:
+        """Stop stepping; requests still in flight get `message` as a final error."""
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        for request in self._requests.values():
+            _fail(request, message)
+        self._requests.clear()
+
+    # -- the loop thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                if self._stopping:
+                    return
+                cancelled = self._drop_cancelled()
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a bug or out-of-memory: fail this batch, keep serving the next
+                    self._fail_running(f"internal error while decoding: {type(e).__name__}: {e}")
+                    continue
+                report = self._report(outputs, cancelled)
+                ready = [(self._requests[o.sequence], o) for o in outputs]
+                for request, output in ready:
+                    if output.finished:
+                        del self._requests[output.sequence]
+            for request, output in ready:
+                self._emit(request)
+            if self.on_step is not None:
+                try:
+                    self.on_step(report)
+                except Exception:  # metrics are not worth a dead loop
+                    traceback.print_exc()
+
+    def _drop_cancelled(self) -> int:
+        cancelled = [r for r in self._requests.values() if _is_cancelled(r)]
+        for request in cancelled:
+            self.engine.cancel(request.sequence)
+            del self._requests[request.sequence]
+            _fail(request, "request cancelled")
+        return len(cancelled)
+
+    def _fail_running(self, message: str) -> None:
+        for request in [r for r in self._requests.values() if r.sequence in self.engine.running]:
+            self.engine.cancel(request.sequence)
+            del self._requests[request.sequence]
+            _fail(request, message)
+
+    def _emit(self, request: _Request) -> None:
+        seq = request.sequence
+        if not request.streaming and not seq.finished:
+            return
+        window, read_offset = token_window(seq.output_ids, request.shown)
+        chunk = Chunk(window, read_offset, seq.finished, seq.finish_reason, seq.stats, self.engine.block_size)
+        request.shown = len(seq.output_ids)
+        try:
+            request.stream.send(chunk)
+        except Exception:  # the client went away: the next iteration frees its slot
+            with self._lock:
+                if not seq.finished:
+                    self.engine.cancel(seq)
+                    self._requests.pop(seq, None)
+
+    def _report(self, outputs: list[StepOutput], cancelled: int) -> StepReport:
+        engine = self.engine
+        slots = engine.target_cache.lengths.numel()
+        used = sum(s.num_tokens for s in engine.running)
+        return StepReport(
+            acceptance_lengths=[o.acceptance_length for o in outputs if o.acceptance_length is not None],
+            seconds=dict(engine.last_step_seconds),
+            new_tokens=sum(len(o.new_token_ids) for o in outputs),
+            active=len(engine.running),
+            queued=len(engine.waiting),
+            kv_cache_utilization=used / (slots * engine.max_context),
+            cancelled=cancelled,
+        )
+
+
+def _is_cancelled(request: _Request) -> bool:
+    try:
+        return request.stream.is_cancelled()
+    except Exception:
+        return True
+
+
+def _fail(request: _Request, message: str) -> None:
+    try:
+        request.stream.fail(message)
+    except Exception:
+        pass  # the client is gone already; nothing is waiting for this error
