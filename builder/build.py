@@ -34,6 +34,7 @@ from dflash_runtime.config import DFlashError, DrafterConfig, TargetConfig
 from dflash_runtime.presets import DEFAULT_PRESET, PRESETS, resolve_checkpoint, resolve_target
 
 REPOSITORY_DIR = "model_repository"
+TRTLLM_OPTIONS_FILE = "extra_llm_api_options.yaml"
 MANIFEST_FILE = "manifest.json"
 TARGET_DIR = "target"
 DRAFTER_DIR = "drafter"
@@ -57,6 +58,9 @@ class BuildOptions:
     max_queue_size: int = 64
     dtype: str = "float32"
     device: str = "cpu"
+    gpu: str | None = None  # trtllm: the serving GPU (h100, b200, ...), checked against the quantization
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     sanity_tokens: int = 32
 
 
@@ -81,6 +85,14 @@ def resolve_inputs(opts: BuildOptions) -> Inputs:
         raise DFlashError("--kv-cache fp8 needs --quant fp8 or nvfp4 (the KV scales are calibrated with the weights)")
     if opts.max_batch_size < 1 or opts.max_queue_size < 0 or opts.calib_samples < 1:
         raise DFlashError("--max-batch-size and --calib-samples must be >= 1, --max-queue-size >= 0")
+    if opts.runtime == "trtllm":
+        from builder.trtllm import check_gpu_support, resolve_gpu
+
+        if opts.gpu is None:
+            raise DFlashError("--runtime trtllm needs --gpu (the serving GPU, e.g. h100, h200, b200)")
+        check_gpu_support(resolve_gpu(opts.gpu), opts.quant, "fp8" if opts.kv_cache == "fp8" else "auto")
+    elif (opts.tensor_parallel_size, opts.pipeline_parallel_size) != (1, 1):
+        raise DFlashError("tensor/pipeline parallelism needs --runtime trtllm (the torch runtime runs on one device)")
     target_dir, preset = resolve_target(opts.target)
     drafter_ref = (preset.drafter if preset else None) if opts.drafter == "preset" else opts.drafter
     if drafter_ref in (None, "none"):
@@ -127,8 +139,13 @@ def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
         steps.append(f"quantize the target with ModelOpt: {opts.quant}, KV cache {opts.kv_cache}, "
                      f"{opts.calib_samples} ShareGPT calibration samples -> {output / TARGET_DIR}")
     steps.append(f"copy the drafter into {output / DRAFTER_DIR}" if inputs.drafter_dir else "no drafter to copy")
-    steps.append(f"render the Triton model repository ({', '.join(TORCH_MODELS)}) into {output / REPOSITORY_DIR}: "
-                 f"max batch {opts.max_batch_size}, context {inputs.max_context}, {opts.dtype} on {opts.device}")
+    if opts.runtime == "torch":
+        steps.append(f"render the Triton model repository ({', '.join(TORCH_MODELS)}) into {output / REPOSITORY_DIR}: "
+                     f"max batch {opts.max_batch_size}, context {inputs.max_context}, {opts.dtype} on {opts.device}")
+    else:
+        steps.append(f"write TensorRT-LLM LLM-API options ({TRTLLM_OPTIONS_FILE}: DFlash, tp {opts.tensor_parallel_size}, "
+                     f"pp {opts.pipeline_parallel_size}, max batch {opts.max_batch_size}) and render the LLM-API "
+                     f"model repository into {output / REPOSITORY_DIR}; validate them where tensorrt_llm imports")
     if opts.sanity_tokens:
         steps.append(f"sanity run: {len(SANITY_PROMPTS)} prompts x {opts.sanity_tokens} tokens, "
                      "autoregressive vs DFlash, token identity, tau")
@@ -207,7 +224,7 @@ def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
             return manifest
     stage = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     try:
-        manifest = _build_into(stage, inputs, opts, hashes, key, started)
+        manifest = _build_into(stage, output, inputs, opts, hashes, key, started)
         if output.exists():
             old = output.with_name(f".{output.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -226,7 +243,8 @@ def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
     return manifest
 
 
-def _build_into(stage: Path, inputs: Inputs, opts: BuildOptions, hashes: dict, key: str, started: float) -> dict:
+def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, hashes: dict, key: str,
+                started: float) -> dict:
     quantization = None
     if opts.quant == "none":
         copy_checkpoint(inputs.target_dir, stage / TARGET_DIR)
@@ -237,7 +255,11 @@ def _build_into(stage: Path, inputs: Inputs, opts: BuildOptions, hashes: dict, k
                                        opts.calib_samples)
     if inputs.drafter_dir:
         copy_checkpoint(inputs.drafter_dir, stage / DRAFTER_DIR)
-    configs = render_repository(stage / REPOSITORY_DIR, repository_values(inputs, opts))
+    trtllm = None
+    if opts.runtime == "torch":
+        render_repository(stage / REPOSITORY_DIR, repository_values(inputs, opts))
+    else:
+        trtllm = write_trtllm_artifacts(stage, output, inputs, opts)
     sanity = sanity_run(stage, inputs, opts) if opts.sanity_tokens else None
     manifest = {
         "build_key": key,
@@ -247,14 +269,41 @@ def _build_into(stage: Path, inputs: Inputs, opts: BuildOptions, hashes: dict, k
         "options": {**asdict(opts), "block_size": inputs.block_size, "max_context": inputs.max_context},
         "artifacts": {"target": TARGET_DIR, "drafter": DRAFTER_DIR if inputs.drafter_dir else None,
                       "model_repository": REPOSITORY_DIR,
-                      "models": [c.parent.name for c in configs]},
+                      "models": sorted(p.name for p in (stage / REPOSITORY_DIR).iterdir())},
         "quantization": quantization,
+        "trtllm": trtllm,
         "sanity": sanity,
         "versions": {"python": platform.python_version(), **package_versions()},
         "seconds": round(time.time() - started, 1),
     }
     (stage / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def write_trtllm_artifacts(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions) -> dict:
+    """LLM-API options for TensorRT-LLM's PyTorch backend (DFlash) and the LLM-API model repository.
+
+    The options name the build's final paths (where the server will find them); validation reads the
+    staged copies.
+    """
+    from builder.trtllm import (TrtllmOptions, llm_api_options, render_trtllm_repository, serve_command,
+                                validate_llm_args, write_extra_llm_api_options)
+
+    if inputs.drafter_dir is None:
+        raise DFlashError("--runtime trtllm serves DFlash: it needs a drafter")
+    drafter = DrafterConfig.from_dir(inputs.drafter_dir)
+    options = llm_api_options(
+        drafter=output / DRAFTER_DIR, block_size=inputs.block_size,
+        options=TrtllmOptions(tensor_parallel_size=opts.tensor_parallel_size,
+                              pipeline_parallel_size=opts.pipeline_parallel_size,
+                              max_batch_size=opts.max_batch_size, max_seq_len=inputs.max_context),
+        mask_token_id=drafter.mask_token_id, target_layer_ids=list(drafter.target_layer_ids))
+    write_extra_llm_api_options(options, stage / TRTLLM_OPTIONS_FILE)
+    render_trtllm_repository(stage / REPOSITORY_DIR, options, model=output / TARGET_DIR)
+    validation = validate_llm_args(options, model=stage / TARGET_DIR, speculative_model=stage / DRAFTER_DIR)
+    return {"options": options, "options_file": TRTLLM_OPTIONS_FILE, "gpu": opts.gpu,
+            "validated": validation.validated, "validation": validation.message,
+            "serve_command": serve_command(output / TARGET_DIR, output / TRTLLM_OPTIONS_FILE)}
 
 
 def _check_writable(folder: Path) -> None:
@@ -274,6 +323,13 @@ def summary(manifest: dict, output: Path) -> str:
             ("runtime", f"{options['runtime']}, {options['dtype']} on {options['device']}, "
                         f"block {options['block_size']}, max batch {options['max_batch_size']}"),
             ("quantization", options["quant"] + (f", KV {options['kv_cache']}" if options["quant"] != "none" else ""))]
+    quantization = manifest.get("quantization")
+    if quantization:
+        rows.append(("quality", f"perplexity {quantization['perplexity']} (unquantized "
+                                f"{quantization['unquantized']['perplexity']}), greedy agreement "
+                                f"{quantization['greedy_agreement']} ({quantization['measured_with']})"))
+    if manifest.get("trtllm"):
+        rows.append(("tensorrt-llm", f"{manifest['trtllm']['options_file']}: {manifest['trtllm']['validation']}"))
     if sanity:
         rates = sanity["tokens_per_second"]
         rows += [("sanity", f"tau {sanity['mean_acceptance_length']}, DFlash {rates['dflash']} tok/s vs "
@@ -281,7 +337,9 @@ def summary(manifest: dict, output: Path) -> str:
                             f"({sanity['speedup_dflash_vs_autoregressive']}x), "
                             f"token-identical {sanity['token_identical_prompts']}")]
     rows += [("repository", str(output / REPOSITORY_DIR)), ("time", f"{manifest['seconds']} s"),
-             ("serve", f"dflash-serve {output / REPOSITORY_DIR}")]
+             ("serve", f"dflash-serve {output / REPOSITORY_DIR}" if options["runtime"] == "torch" else
+                       " ".join(manifest["trtllm"]["serve_command"]) + "   (or Triton's LLM-API backend: "
+                       f"tritonserver --model-repository {output / REPOSITORY_DIR})")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -302,7 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default=DEFAULT_PRESET, help=f"preset or HF checkpoint directory (default: {DEFAULT_PRESET})")
     parser.add_argument("--drafter", default="preset", help="drafter directory, 'preset' (default) or 'none'")
     parser.add_argument("--output", type=Path, help="build folder (default: builds/<target name>)")
-    parser.add_argument("--runtime", default="torch", choices=RUNTIMES)
+    parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
+                        help="torch: this project's engine (CPU/CUDA) behind Triton's Python backend; trtllm: "
+                             "TensorRT-LLM >= 1.3 PyTorch backend, LLM-API options (no trtllm-build: no DFlash there)")
+    parser.add_argument("--gpu", help="trtllm: serving GPU (a100, l40s, h100, h200, b200, ...); checks the quantization")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="trtllm: GPUs per pipeline stage")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="trtllm: pipeline stages")
     parser.add_argument("--quant", default="none", choices=QUANTIZATIONS, help="ModelOpt quantization of the target")
     parser.add_argument("--kv-cache", default="none", choices=["none", "fp8"], help="KV-cache quantization (with --quant)")
     parser.add_argument("--calib-samples", type=int, default=128, help="ShareGPT calibration prompts for --quant")
@@ -323,8 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = BuildOptions(target=args.target, drafter=args.drafter, runtime=args.runtime, quant=args.quant,
                         kv_cache=args.kv_cache, calib_samples=args.calib_samples, block_size=args.block_size,
                         max_batch_size=args.max_batch_size, max_context=args.max_context,
-                        max_queue_size=args.max_queue_size, dtype=args.dtype, device=args.device,
-                        sanity_tokens=args.sanity_tokens)
+                        max_queue_size=args.max_queue_size, dtype=args.dtype, device=args.device, gpu=args.gpu,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size, sanity_tokens=args.sanity_tokens)
     output = args.output or Path("builds") / Path(args.target).name
     try:
         if args.dry_run:

@@ -17,11 +17,14 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from dflash_runtime.model_args import DRAIN_FILE_ENV, DRAIN_SECONDS_ENV
 
 # The one source for ports and probe paths: the launcher, the clients' defaults and the Kubernetes
 # manifests all read them from here.
@@ -29,8 +32,13 @@ PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 READY_PATH = "/v2/health/ready"
 LIVE_PATH = "/v2/health/live"
 METRICS_PATH = "/metrics"
-# Seconds tritonserver waits for in-flight requests on shutdown before it gives up on them.
-EXIT_TIMEOUT_S = 30
+# Shutdown: in-flight requests get DRAIN_SECONDS to finish (new ones are refused), then the dflash
+# model ends the rest with a final error (see model_args: drain protocol) and tritonserver gets
+# SIGTERM, after which it waits at most EXIT_TIMEOUT_S for models to unload.
+DRAIN_SECONDS = 30
+EXIT_TIMEOUT_S = 15
+SHUTDOWN_SECONDS = DRAIN_SECONDS + EXIT_TIMEOUT_S  # the most a clean shutdown takes
+DRAIN_FILE = "draining"
 
 
 class ServeError(RuntimeError):
@@ -43,8 +51,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bundled_server() -> tuple[Path, Path, dict[str, str]]:
-    """(tritonserver binary, backend directory, extra environment) from the nvidia-pytriton wheel."""
+def _bundled_server(runtime: Path) -> tuple[Path, dict[str, str]]:
+    """(tritonserver binary, extra environment) from the nvidia-pytriton wheel; backends go into `runtime`."""
     try:
         import pytriton
     except ImportError:
@@ -55,7 +63,6 @@ def _bundled_server() -> tuple[Path, Path, dict[str, str]]:
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
         raise ServeError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
-    runtime = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
     backend = runtime / "backends" / "python"
     backend.mkdir(parents=True)
     for source in (root / "backends" / "python").iterdir():
@@ -84,7 +91,7 @@ def _bundled_server() -> tuple[Path, Path, dict[str, str]]:
         "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(libs), os.environ.get("LD_LIBRARY_PATH")])),
         "PATH": os.pathsep.join([str(shim / "bin"), os.environ.get("PATH", "")]),
     }
-    return root / "bin" / "tritonserver", runtime / "backends", env
+    return root / "bin" / "tritonserver", env
 
 
 @dataclass
@@ -94,6 +101,8 @@ class TritonServer:
     process: subprocess.Popen
     ports: dict[str, int]
     log_path: Path | None
+    runtime_dir: Path  # the drain file (and the bundled server's backends); removed on stop
+    drain_seconds: float = DRAIN_SECONDS
 
     @property
     def http_url(self) -> str:
@@ -118,6 +127,7 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.stop()
                 raise ServeError(f"tritonserver exited with code {self.process.returncode} before it was ready"
                                  + self._log_hint())
             if self.is_ready():
@@ -126,15 +136,35 @@ class TritonServer:
         self.stop()
         raise ServeError(f"tritonserver was not ready after {timeout:.0f} s" + self._log_hint())
 
-    def stop(self, timeout: float = EXIT_TIMEOUT_S + 10) -> int:
-        """SIGTERM (tritonserver drains in-flight requests), then SIGKILL if it does not exit."""
+    def shut_down(self) -> None:
+        """Drain (requests finish, or end with an error after drain_seconds), then SIGTERM tritonserver."""
+        (self.runtime_dir / DRAIN_FILE).touch()
+        deadline = time.monotonic() + self.drain_seconds + 2  # the model's own deadline, plus a step
+        while time.monotonic() < deadline and self.process.poll() is None and self.sequences_in_flight():
+            time.sleep(0.25)
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+
+    def sequences_in_flight(self) -> int:
+        """Running + queued sequences of the dflash model, from its metrics (0 when unreadable)."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
+                lines = r.read().decode().splitlines()
+        except (urllib.error.URLError, OSError):
+            return 0
+        gauges = ("dflash_active_sequences{", "dflash_queued_sequences{")
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(gauges)))
+
+    def stop(self) -> int:
+        """Shut down cleanly; SIGKILL if tritonserver has not exited well after its exit timeout."""
+        if self.process.poll() is None:
+            self.shut_down()
             try:
-                self.process.wait(timeout)
+                self.process.wait(EXIT_TIMEOUT_S + 15)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
         return self.process.returncode
 
     def log(self) -> str:
@@ -153,28 +183,35 @@ class TritonServer:
 
 def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_port: int = PORTS["grpc"],
                  metrics_port: int = PORTS["metrics"], log_path: Path | None = None, log_verbose: int = 0,
-                 ready_timeout: float = 300) -> TritonServer:
+                 ready_timeout: float = 300, drain_seconds: float = DRAIN_SECONDS) -> TritonServer:
     """Start tritonserver on `repository` and wait until it is ready. Port 0 picks a free port."""
     repository = Path(repository).resolve()
     if not repository.is_dir():
         raise ServeError(f"model repository {repository} does not exist (build one with builder/build.py)")
     ports = {"http": http_port or free_port(), "grpc": grpc_port or free_port(),
              "metrics": metrics_port or free_port()}
+    runtime = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
+    env = {**os.environ, DRAIN_FILE_ENV: str(runtime / DRAIN_FILE), DRAIN_SECONDS_ENV: str(drain_seconds)}
     binary = shutil.which("tritonserver")
-    env = dict(os.environ)
     backend_args = []
     if binary is None:
-        binary, backends, extra_env = _bundled_server()
+        binary, extra_env = _bundled_server(runtime)
         env.update(extra_env)
-        backend_args = [f"--backend-directory={backends}"]
+        backend_args = [f"--backend-directory={runtime / 'backends'}"]
     command = [str(binary), f"--model-repository={repository}", *backend_args,
                f"--http-port={ports['http']}", f"--grpc-port={ports['grpc']}",
                f"--metrics-port={ports['metrics']}", "--allow-metrics=true",
                f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--log-verbose={log_verbose}"]
     log = open(log_path, "ab") if log_path else None
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
-    server = TritonServer(process, ports, log_path)
-    server.wait_ready(ready_timeout)
+    server = TritonServer(process, ports, log_path, runtime, drain_seconds)
+    try:
+        server.wait_ready(ready_timeout)
+    except BaseException:  # also SIGINT/SIGTERM while models load: never leave tritonserver behind
+        process.kill()
+        process.wait()
+        shutil.rmtree(runtime, ignore_errors=True)
+        raise
     return server
 
 
@@ -196,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbosity (0 = info)")
     parser.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for readiness")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # while loading: stop it
     try:
         server = start_server(args.repository, args.http_port, args.grpc_port, args.metrics_port,
                               log_verbose=args.log_verbose, ready_timeout=args.ready_timeout)
@@ -203,9 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash-serve: {e}", file=sys.stderr)
         return 1
     print(f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}", flush=True)
+    # the drain takes seconds: run it beside the main thread, which keeps waiting for the process
+    shutdown = threading.Thread(target=server.shut_down, daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: server.process.send_signal(signal.SIGTERM))
-    return server.process.wait()
+        signal.signal(sig, lambda *_: shutdown.ident is None and shutdown.start())
+    server.process.wait()
+    return server.stop()
 
 
 if __name__ == "__main__":

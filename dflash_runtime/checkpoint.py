@@ -1,4 +1,4 @@
-"""Checkpoint I/O: HF safetensors (single or sharded), strict loading, and GGUF converted once to HF."""
+"""Checkpoint I/O: HF safetensors (single or sharded), ModelOpt-quantized exports, strict loading, GGUF to HF."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import DFlashError
+from .config import DFlashError, read_json
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -29,7 +29,79 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         if not f.is_file():
             raise DFlashError(f"{path}: shard {f.name} listed in the index is missing")
         state.update(load_file(str(f)))
+    return dequantize_modelopt(state, read_quantization(path), str(path))
+
+
+# ModelOpt's unified HF checkpoint (hf_quant_config.json), as `builder/quantize.py` writes it. The
+# CPU runtime computes in float32/bfloat16, so quantized weights are expanded once at load time:
+# this serves quality and tau measurements and CPU serving of a quantized build, not speed (GPU
+# runtimes run these formats natively). Activations and the KV cache stay unquantized here, so
+# input_scale, k_scale and v_scale are read past.
+WEIGHT_SCALES = {"FP8": ("weight_scale",), "NVFP4": ("weight_scale", "weight_scale_2")}
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_QUANT_SUFFIXES = ("_scale", "_scale_2", "_amax", "zero_point")
+
+
+def read_quantization(path: Path) -> dict | None:
+    """The checkpoint's ModelOpt quantization ({"quant_algo", "kv_cache_quant_algo", ...}), None if unquantized."""
+    if (path / "hf_quant_config.json").is_file():
+        return read_json(path / "hf_quant_config.json").get("quantization") or None
+    config = read_json(path / "config.json") if (path / "config.json").is_file() else {}
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    if quant.get("quant_method") != "modelopt":
+        raise DFlashError(f"{path / 'config.json'}: quantization method {quant.get('quant_method')!r} is not supported "
+                          f"(supported: ModelOpt unified checkpoints with {' or '.join(WEIGHT_SCALES)} weights)")
+    return {"quant_algo": quant.get("quant_algo"), "kv_cache_quant_algo": quant.get("kv_cache_scheme")}
+
+
+def dequantize_modelopt(state: dict[str, torch.Tensor], quant: dict | None, where: str) -> dict[str, torch.Tensor]:
+    """Expand quantized weights to float32; strict: any scale or quantized tensor left unexplained is an error."""
+    algo = (quant or {}).get("quant_algo")
+    if algo is not None and algo not in WEIGHT_SCALES:
+        raise DFlashError(f"{where}: quantization {algo!r} is not supported (supported: {', '.join(WEIGHT_SCALES)})")
+    state = dict(state)
+    for module in [k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale") and algo]:
+        names = ("weight", *WEIGHT_SCALES[algo])
+        missing = [n for n in names if f"{module}.{n}" not in state]
+        if missing:
+            raise DFlashError(f"{where}: {module} is {algo}-quantized but has no {', '.join(missing)}")
+        tensors = [state.pop(f"{module}.{n}") for n in names]
+        try:
+            state[f"{module}.weight"] = _dequantize_fp8(*tensors) if algo == "FP8" else _dequantize_nvfp4(*tensors)
+        except (RuntimeError, ValueError) as e:
+            raise DFlashError(f"{where}: {module}: malformed {algo} weight ({e})") from None
+        state.pop(f"{module}.input_scale", None)
+    if (quant or {}).get("kv_cache_quant_algo"):
+        state = {k: v for k, v in state.items() if not k.endswith((".k_scale", ".v_scale"))}
+    leftover = sorted(k for k, v in state.items() if k.endswith(_QUANT_SUFFIXES) or v.element_size() == 1)
+    if leftover:
+        declared = f"its quantization ({algo}, KV {(quant or {}).get('kv_cache_quant_algo')})" if quant else \
+            "no quantization config (hf_quant_config.json)"
+        raise DFlashError(f"{where}: quantization tensors that {declared} does not explain: {_preview(leftover)}")
     return state
+
+
+def _dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # weight: [out, in] float8_e4m3fn; scale: per tensor [] or per output channel [out] / [out, 1]
+    if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"weight has dtype {weight.dtype}, expected float8")
+    scale = scale.float()
+    return weight.float() * (scale[:, None] if scale.dim() == 1 else scale)
+
+
+def _dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    # packed: [out, in / 2] uint8, two E2M1 codes per byte, low nibble first;
+    # block_scale: [out, in / group] float8_e4m3fn (group 16); global_scale: [] float32
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed weight has dtype {packed.dtype}, expected uint8")
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+    values = torch.tensor(E2M1)[codes.long()]
+    if block_scale.shape[:-1] != values.shape[:-1] or values.shape[-1] % block_scale.shape[-1]:
+        raise ValueError(f"block scales {tuple(block_scale.shape)} do not tile the weight {tuple(values.shape)}")
+    scale = block_scale.float() * global_scale.float()
+    return (values.unflatten(-1, (block_scale.shape[-1], -1)) * scale[..., None]).flatten(-2)
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str,

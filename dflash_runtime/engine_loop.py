@@ -8,6 +8,7 @@ own responses through the `Stream` it passes in; nothing here knows which server
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence as Seq
@@ -76,15 +77,16 @@ class EngineLoop:
         self._lock = threading.Lock()  # guards the engine's queues and self._requests
         self._wake = threading.Event()
         self._stopping = False
+        self._drain_deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name="dflash-engine-loop", daemon=True)
         self._thread.start()
 
     def submit(self, prompt_ids: Seq[int], params: SamplingParams, stream: Stream, streaming: bool = True) -> None:
         """Queue a request; raises DFlashError for bad input and QueueFull when the queue is full."""
         with self._lock:
-            if self._stopping:
+            if self._stopping or self._drain_deadline is not None:
                 raise QueueFull("the server is shutting down")
-            if len(self.engine.waiting) >= self.max_queue_size:
+            if len(self.engine.waiting) - len(self.engine.free_slots) >= self.max_queue_size:
                 raise QueueFull(f"the server is at capacity ({len(self.engine.running)} running, "
                                 f"{len(self.engine.waiting)} queued, queue limit {self.max_queue_size}); retry later")
             limit = self.engine.max_context
@@ -93,6 +95,12 @@ class EngineLoop:
                                   f"the context limit of {limit} tokens")
             seq = self.engine.add_request(prompt_ids, params)
             self._requests[seq] = _Request(seq, stream, streaming)
+        self._wake.set()
+
+    def drain(self, grace_seconds: float) -> None:
+        """Refuse new requests; requests still unfinished after `grace_seconds` get a final error."""
+        with self._lock:
+            self._drain_deadline = time.monotonic() + grace_seconds
         self._wake.set()
 
     def stop(self, message: str = "the server is shutting down") -> None:
@@ -108,25 +116,17 @@ class EngineLoop:
     # -- the loop thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            self._wake.wait()
+            self._wake.wait(timeout=None if self._drain_deadline is None else 0.5)
             with self._lock:
                 if self._stopping:
                     return
-                cancelled = self._drop_cancelled()
-                if not self.engine.has_unfinished():
-                    self._wake.clear()
-                    continue
                 try:
-                    outputs = self.engine.step()
-                except Exception as e:  # a bug or out-of-memory: fail this batch, keep serving the next
-                    self._fail_running(f"internal error while decoding: {type(e).__name__}: {e}")
+                    ready, report = self._step()
+                except Exception as e:  # a bug or out-of-memory: fail what is in flight, keep serving
+                    traceback.print_exc()
+                    self._abort(list(self._requests.values()), f"internal error: {type(e).__name__}: {e}")
                     continue
-                report = self._report(outputs, cancelled)
-                ready = [(self._requests[o.sequence], o) for o in outputs]
-                for request, output in ready:
-                    if output.finished:
-                        del self._requests[output.sequence]
-            for request, output in ready:
+            for request in ready:
                 self._emit(request)
             if self.on_step is not None:
                 try:
@@ -134,16 +134,30 @@ class EngineLoop:
                 except Exception:  # metrics are not worth a dead loop
                     traceback.print_exc()
 
+    def _step(self) -> tuple[list[_Request], StepReport]:
+        """One iteration under the lock: drain deadline, cancellations, one engine step."""
+        if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+            self._abort(list(self._requests.values()), "the server is shutting down; the request was aborted")
+        cancelled = self._drop_cancelled()
+        outputs = []
+        if self.engine.has_unfinished():
+            outputs = self.engine.step()
+        else:
+            self._wake.clear()
+        # a request prefilled in this step is also in its draft/verify pass: one chunk covers both
+        ready = list({o.sequence: self._requests[o.sequence] for o in outputs}.values())
+        for request in ready:
+            if request.sequence.finished:
+                del self._requests[request.sequence]
+        return ready, self._report(outputs, cancelled)
+
     def _drop_cancelled(self) -> int:
         cancelled = [r for r in self._requests.values() if _is_cancelled(r)]
-        for request in cancelled:
-            self.engine.cancel(request.sequence)
-            del self._requests[request.sequence]
-            _fail(request, "request cancelled")
+        self._abort(cancelled, "request cancelled")
         return len(cancelled)
 
-    def _fail_running(self, message: str) -> None:
-        for request in [r for r in self._requests.values() if r.sequence in self.engine.running]:
+    def _abort(self, requests: list[_Request], message: str) -> None:
+        for request in requests:
             self.engine.cancel(request.sequence)
             del self._requests[request.sequence]
             _fail(request, message)

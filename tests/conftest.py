@@ -88,3 +88,23 @@ def hf_greedy(target_dir: Path, prompt: list[int], max_new_tokens: int) -> list[
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=EOS, pad_token_id=EOS)
     return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def default_build(tmp_path_factory):
+    """The embedded default built once per session (quant none, torch runtime, no sanity run)."""
+    from builder.build import BuildOptions, build
+
+    output = tmp_path_factory.mktemp("builds") / "smollm2-135m"
+    build(BuildOptions(target="smollm2-135m", drafter="preset", max_batch_size=8, sanity_tokens=0), output)
+    return output
+
+
+@pytest.fixture(scope="session")
+def default_server(default_build, tmp_path_factory):
+    """A real tritonserver on the default build, on free ports; its log goes to a temp file."""
+    from deploy.serve import start_server
+
+    log = tmp_path_factory.mktemp("server") / "tritonserver.log"
+    with start_server(default_build / "model_repository", 0, 0, 0, log_path=log) as server:
+        yield server

@@ -5,13 +5,15 @@ the loop's chunks -> response tensors and metrics. Scheduling, batching and deco
 dflash_runtime (engine_loop, engine), tested without Triton.
 """
 import json
+import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dflash_runtime.config import DFlashError
 from dflash_runtime.engine_loop import EngineLoop, QueueFull
-from dflash_runtime.model_args import artifact_path, model_parameters
+from dflash_runtime.model_args import artifact_path, drain_signal, model_parameters
 from dflash_runtime.pipeline import load_pipeline
 from dflash_runtime.sampling import SamplingParams
 
@@ -31,6 +33,14 @@ class TritonPythonModel:
                                  max_context=int(params["max_context"]))
         self.metrics = EngineMetrics(args["model_name"], args["model_version"], engine.block_size)
         self.loop = EngineLoop(engine, int(params["max_queue_size"]), on_step=self.metrics.record)
+        drain = drain_signal()
+        if drain is not None:
+            threading.Thread(target=self._drain_on_signal, args=drain, daemon=True).start()
+
+    def _drain_on_signal(self, path, seconds):
+        while not path.exists():
+            time.sleep(0.5)
+        self.loop.drain(seconds)
 
     def execute(self, requests):
         for request in requests:
@@ -128,8 +138,8 @@ def _parse(request):
     if ids is None or ids.ndim != 2 or ids.shape[0] != 1:
         raise DFlashError("send one prompt per request (the server batches requests itself)")
     max_tokens = _scalar(request, "max_tokens", None)
-    if max_tokens is None:
-        raise DFlashError("max_tokens is required")
+    if max_tokens is None or max_tokens < 1:
+        raise DFlashError(f"max_tokens must be >= 1, got {max_tokens}")
     seed = _scalar(request, "seed", None)
     legacy_seed = _scalar(request, "random_seed", None)
     if seed is None:

@@ -1,0 +1,337 @@
+"""Quantize a target with NVIDIA ModelOpt and export the unified HF checkpoint, with a quality report.
+
+FP8 (W8A8, per-tensor) or NVFP4 (W4A4, blocks of 16) on the target's linear layers, optionally an
+FP8 KV cache; the embedding and LM head stay unquantized (ModelOpt's defaults). Calibration runs on
+ShareGPT's training split, quality is measured on its held-out split (dflash_runtime.prompts); the
+drafter is not touched. The export (`hf_quant_config.json` + safetensors + tokenizer) loads in
+TensorRT-LLM, vLLM and SGLang, and in our runtime, which dequantizes it at load time.
+
+What is measured, and with what:
+- "fake_quant": the ModelOpt-quantized model itself (weights, activations and KV cache rounded as a
+  GPU runtime would). On CPU only for FP8: NVFP4's fake-quantized forward needs CUDA.
+- "dequantized": the exported checkpoint loaded by our runtime (weights dequantized, activations
+  and KV cache in float32): what the CPU runtime serves, and what tau is measured with.
+Both against the unquantized model: held-out perplexity, and greedy agreement along the unquantized
+model's own greedy continuations of held-out prompts (the first divergence is where greedy
+decoding with the quantized model would first differ).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from dflash_runtime.config import DFlashError
+from dflash_runtime.prompts import sharegpt_conversations
+from dflash_runtime.target import load_target
+from dflash_runtime.text import encode_prompt, load_tokenizer
+
+QUANT_FORMATS = ("none", "fp8", "nvfp4")
+KV_CACHE_FORMATS = ("none", "fp8")
+
+
+def check_quant_options(quant: str, kv_cache: str) -> None:
+    """Refuse unknown formats before any expensive work (build.py calls this at the door)."""
+    if quant not in QUANT_FORMATS:
+        raise DFlashError(f"unsupported quantization {quant!r} (supported: {', '.join(QUANT_FORMATS)})")
+    if kv_cache not in KV_CACHE_FORMATS:
+        raise DFlashError(f"unsupported KV-cache quantization {kv_cache!r} (supported: {', '.join(KV_CACHE_FORMATS)})")
+    if quant == "none" and kv_cache == "none":
+        raise DFlashError("nothing to quantize: --quant none with --kv-cache none uses the target as it is")
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    quant: str  # QUANT_FORMATS
+    kv_cache: str = "fp8"  # KV_CACHE_FORMATS
+    calib_samples: int = 128
+    seed: int = 0
+    calib_max_tokens: int = 512  # per calibration text
+    eval_texts: int = 16  # held-out texts for perplexity ...
+    eval_max_tokens: int = 256  # ... of at most this many tokens
+    agreement_prompts: int = 8  # held-out prompts for greedy agreement ...
+    agreement_tokens: int = 64  # ... and the unquantized model's greedy tokens compared on each
+    export_dtype: torch.dtype = torch.bfloat16  # of the layers left unquantized (embedding, norms, LM head)
+    device: str = "cpu"
+
+    def __post_init__(self):
+        check_quant_options(self.quant, self.kv_cache)
+        if self.calib_samples < 1:
+            raise DFlashError(f"--calib-samples must be at least 1 (got {self.calib_samples})")
+        if self.eval_texts < 1 or self.eval_max_tokens < 2:
+            raise DFlashError("perplexity needs at least one held-out text of at least two tokens")
+
+
+def modelopt_config(quant: str, kv_cache: str) -> tuple[dict, str]:
+    """The mtq.quantize config and its name, e.g. "FP8_DEFAULT_CFG + FP8_KV_CFG"."""
+    import modelopt.torch.quantization as mtq
+
+    names = {"fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG"}
+    config = getattr(mtq, names[quant]) if quant != "none" else {}  # {}: every quantizer off but the KV's
+    if kv_cache == "fp8":
+        with contextlib.redirect_stdout(sys.stderr):  # ModelOpt prints the merged config
+            config = mtq.update_quant_cfg_with_kv_cache_quant(config, mtq.FP8_KV_CFG["quant_cfg"])
+    parts = [names[quant]] if quant != "none" else []
+    return config, " + ".join(parts + ["FP8_KV_CFG"] * (kv_cache == "fp8"))
+
+
+def quantize_target(target_dir: str | Path, output_dir: str | Path, quant: str, kv_cache: str = "fp8",
+                    calib_samples: int = 128, seed: int = 0, progress: bool = True, **options) -> dict:
+    """Quantize the HF target in target_dir, export it to output_dir, and return the quality report.
+
+    options: the other QuantizeOptions fields (evaluation sizes, export dtype, device). output_dir
+    appears complete or not at all: it is written beside it and renamed at the end; an existing
+    output_dir is replaced.
+    """
+    opts = QuantizeOptions(quant, kv_cache, calib_samples, seed, **options)
+    target_dir, output_dir = Path(target_dir), Path(output_dir)
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(target_dir)
+    if tokenizer is None:
+        raise DFlashError(f"{target_dir} has no tokenizer: the calibration set is text")
+    staging = _staging_dir(output_dir)  # fail on an unwritable destination before calibrating
+    try:
+        report = _quantize(target_dir, staging, tokenizer, opts, progress)
+        _replace(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report["checkpoint"]["path"] = str(output_dir)
+    report["seconds"]["total"] = round(time.perf_counter() - started, 1)
+    return report
+
+
+def _quantize(target_dir: Path, staging: Path, tokenizer, opts: QuantizeOptions, progress: bool) -> dict:
+    import modelopt
+    import modelopt.torch.quantization as mtq
+    import transformers
+
+    torch.manual_seed(opts.seed)
+    seconds = {}
+    calibration = calibration_set(tokenizer, opts.calib_samples, opts.calib_max_tokens, opts.seed)
+    texts, prompts = heldout_set(tokenizer, opts.eval_texts, opts.eval_max_tokens, opts.agreement_prompts)
+    device = opts.device
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    if not getattr(model.config, "architectures", None):  # export_hf_checkpoint needs it
+        model.config.architectures = [type(model).__name__]
+
+    t = time.perf_counter()
+    eos = _eos_id(model, tokenizer)
+    paths = [greedy_path(model, ids, opts.agreement_tokens, eos) for ids in
+             tqdm(prompts, desc="greedy reference", disable=not progress, file=sys.stderr)]
+    baseline = measure(_hf_logits(model), texts, paths, None, "unquantized", progress)
+    seconds["reference"] = round(time.perf_counter() - t, 1)
+
+    config, config_name = modelopt_config(opts.quant, opts.kv_cache)
+    t = time.perf_counter()
+
+    def forward_loop(m):
+        for ids in tqdm(calibration, desc=f"calibrating {opts.quant}", disable=not progress, file=sys.stderr):
+            m(torch.tensor([ids], device=device))
+
+    with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):
+        mtq.quantize(model, config, forward_loop)
+    seconds["calibration"] = round(time.perf_counter() - t, 1)
+
+    evaluation = {}
+    t = time.perf_counter()
+    if opts.quant != "nvfp4" or device != "cpu":  # NVFP4 fake quantization asserts CUDA tensors
+        evaluation["fake_quant"] = measure(_hf_logits(model), texts, paths, baseline, "fake-quantized", progress)
+    seconds["evaluation"] = round(time.perf_counter() - t, 1)
+
+    t = time.perf_counter()
+    export(model, tokenizer, staging, opts.export_dtype)
+    seconds["export"] = round(time.perf_counter() - t, 1)
+    del model
+
+    t = time.perf_counter()
+    runtime = load_target(staging, torch.float32, device)
+    evaluation["dequantized"] = measure(_runtime_logits(runtime), texts, paths, baseline, "dequantized", progress)
+    seconds["evaluation"] += round(time.perf_counter() - t, 1)
+
+    hf_quant = json.loads((staging / "hf_quant_config.json").read_text())["quantization"]
+    primary = evaluation.get("fake_quant", evaluation["dequantized"])
+    return {
+        "quant": opts.quant,
+        "kv_cache": opts.kv_cache,
+        "method": f"ModelOpt {modelopt.__version__} PTQ, {config_name} (max calibration)",
+        "quant_algo": hf_quant.get("quant_algo"),
+        "kv_cache_quant_algo": hf_quant.get("kv_cache_quant_algo"),
+        "excluded_modules": hf_quant.get("exclude_modules", []),
+        "calibration": {"dataset": "ShareGPT V3, training split", "samples": len(calibration),
+                        "max_tokens": opts.calib_max_tokens, "tokens": sum(map(len, calibration)), "seed": opts.seed},
+        "heldout": {"dataset": "ShareGPT V3, held-out split", "texts": len(texts), "tokens": sum(map(len, texts)),
+                    "agreement_prompts": len(paths), "agreement_tokens": opts.agreement_tokens},
+        "unquantized": {"perplexity": baseline["perplexity"]},
+        # the headline numbers: the GPU's arithmetic where this machine can emulate it, else the dequantized weights
+        "perplexity": primary["perplexity"],
+        "greedy_agreement": primary["greedy_agreement"],
+        "measured_with": "fake_quant" if "fake_quant" in evaluation else "dequantized",
+        "evaluation": evaluation,
+        "checkpoint": {"bytes": _size(staging), "unquantized_bytes": _size(target_dir, "*.safetensors"),
+                       "export_dtype": str(opts.export_dtype).removeprefix("torch.")},
+        "seconds": seconds,
+    }
+
+
+def calibration_set(tokenizer, samples: int, max_tokens: int, seed: int) -> list[list[int]]:
+    """Chat-formatted (prompt, reply) pairs from ShareGPT's training split, a seeded draw of the first few hundred."""
+    pool = list(itertools.islice(sharegpt_conversations("train"), max(4 * samples, 256)))
+    if len(pool) < samples:
+        raise DFlashError(f"--calib-samples {samples}: ShareGPT's training split has only {len(pool)} conversations")
+    chosen = random.Random(seed).sample(pool, samples)
+    return [_chat_text(tokenizer, prompt, reply, max_tokens) for prompt, reply in chosen]
+
+
+def heldout_set(tokenizer, texts: int, max_tokens: int, prompts: int,
+                max_prompt_tokens: int = 128) -> tuple[list[list[int]], list[list[int]]]:
+    """Texts for perplexity and short prompts for greedy agreement, from ShareGPT's held-out split."""
+    chosen, short = [], []
+    for prompt, reply in sharegpt_conversations("heldout"):
+        if len(chosen) < texts:
+            chosen.append(_chat_text(tokenizer, prompt, reply, max_tokens))
+        ids = encode_prompt(tokenizer, prompt)
+        if len(short) < prompts and len(ids) <= max_prompt_tokens:
+            short.append(ids)
+        if len(chosen) == texts and len(short) == prompts:
+            break
+    return chosen, short
+
+
+def _chat_text(tokenizer, prompt: str, reply: str, max_tokens: int) -> list[int]:
+    ids = encode_prompt(tokenizer, prompt) + tokenizer.encode(reply, add_special_tokens=False)
+    return ids[:max_tokens]
+
+
+def _eos_id(model, tokenizer) -> int | None:
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    return eos if eos is not None else tokenizer.eos_token_id
+
+
+@torch.no_grad()
+def greedy_path(model, prompt: list[int], new_tokens: int, eos: int | None) -> tuple[list[int], int]:
+    """(prompt + the model's greedy continuation, prompt length)."""
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+    return out[0].tolist(), len(prompt)
+
+
+def _hf_logits(model):
+    @torch.no_grad()
+    def logits(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids], device=model.device)).logits[0].float()
+    return logits
+
+
+def _runtime_logits(target):
+    @torch.no_grad()
+    def logits(ids: list[int]) -> torch.Tensor:
+        tokens = torch.tensor([ids], device=target.device)
+        positions = torch.arange(len(ids), device=target.device)[None]
+        cache = target.new_cache(1, len(ids))
+        out, _ = target(tokens, positions, cache, torch.zeros(1, dtype=torch.long, device=target.device))
+        return out[0].float()
+    return logits
+
+
+def measure(logits_fn, texts: list[list[int]], paths: list[tuple[list[int], int]], baseline: dict | None,
+            label: str, progress: bool) -> dict:
+    """Held-out perplexity and, against a baseline, greedy agreement along the baseline's greedy paths.
+
+    Teacher-forced along the unquantized model's greedy continuation: the first position where this
+    model's argmax differs is where its own greedy decoding would leave that continuation.
+    """
+    nll, count = 0.0, 0
+    for ids in tqdm(texts, desc=f"perplexity ({label})", disable=not progress, file=sys.stderr):
+        logits = logits_fn(ids)
+        nll += F.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device), reduction="sum").item()
+        count += len(ids) - 1
+    argmax = [logits_fn(path)[start - 1:len(path) - 1].argmax(-1).tolist() for path, start in paths]
+    result = {"perplexity": round(math.exp(nll / count), 4), "argmax": argmax}
+    if baseline is None:
+        return result
+    result.pop("argmax")
+    matches = [[a == b for a, b in zip(mine, ref)] for mine, ref in zip(argmax, baseline["argmax"])]
+    first = [m.index(False) if False in m else len(m) for m in matches]
+    result["perplexity_change"] = round(result["perplexity"] / baseline["perplexity"] - 1, 4)
+    result["greedy_agreement"] = {
+        "matching_fraction": round(sum(map(sum, matches)) / max(1, sum(map(len, matches))), 4),
+        "first_divergence": first,  # per prompt; == tokens compared when greedy decoding never diverged
+        "mean_first_divergence": round(sum(first) / max(1, len(first)), 2),
+        "tokens_compared": [len(m) for m in matches],
+    }
+    return result
+
+
+def export(model, tokenizer, out: Path, dtype: torch.dtype) -> None:
+    """ModelOpt's unified HF checkpoint plus the tokenizer: a complete target directory."""
+    from modelopt.torch.export import export_hf_checkpoint
+    from safetensors import SafetensorError
+
+    try:
+        with torch.inference_mode(), contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
+            # calibrating in float32 and exporting the unquantized layers in bfloat16 is intended
+            warnings.filterwarnings("ignore", message="Model's original dtype")
+            export_hf_checkpoint(model, dtype=dtype, export_dir=out)
+        tokenizer.save_pretrained(out)
+        _write_both_rope_spellings(out / "config.json")
+    except (OSError, SafetensorError) as e:
+        full = "No space left" in str(e) or getattr(e, "errno", None) == 28
+        raise DFlashError(f"writing the quantized checkpoint in {out.parent} failed"
+                          f"{' (disk full)' if full else ''}: {e}") from None
+
+
+def _write_both_rope_spellings(config_file: Path) -> None:
+    """transformers 5.x writes only rope_parameters; 4.x readers (some serving stacks) fall back to base
+    10000 without rope_theta, which silently breaks targets such as SmolLM2 (base 100000)."""
+    config = json.loads(config_file.read_text())
+    params = config.get("rope_parameters") or {}
+    if "rope_theta" in params and "rope_theta" not in config:
+        config["rope_theta"] = params["rope_theta"]
+        if params.get("rope_type", "default") != "default" and not config.get("rope_scaling"):
+            config["rope_scaling"] = params
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _staging_dir(output_dir: Path) -> Path:
+    staging = output_dir.with_name(f".{output_dir.name}.partial-{os.getpid()}")
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    except OSError as e:
+        raise DFlashError(f"cannot write the quantized checkpoint beside {output_dir}: {e}") from None
+    return staging
+
+
+def _replace(staging: Path, output_dir: Path) -> None:
+    """Swap the finished checkpoint into place: output_dir never holds a partial checkpoint."""
+    old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
+    try:
+        if output_dir.exists():
+            output_dir.rename(old)
+        staging.rename(output_dir)
+    except OSError as e:
+        if old.exists() and not output_dir.exists():
+            old.rename(output_dir)
+        raise DFlashError(f"cannot move the quantized checkpoint into {output_dir}: {e}") from None
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _size(path: Path, pattern: str = "*") -> int:
+    return sum(f.stat().st_size for f in path.glob(pattern) if f.is_file())

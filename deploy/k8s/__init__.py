@@ -1,0 +1,1 @@
+"""Kubernetes manifests for DFlash: deploy/k8s/render.py renders them from values files."""

@@ -1,0 +1,136 @@
+"""The serving loop without a server: streaming chunks, cancellation, queue limit, drain, failure isolation."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import PROMPTS, load_pair
+from dflash_runtime import SamplingParams
+from dflash_runtime.config import DFlashError
+from dflash_runtime.engine_loop import EngineLoop, QueueFull
+
+
+class Collector:
+    """A Stream that records what the loop sends."""
+
+    def __init__(self, cancel_after: int | None = None):
+        self.chunks, self.error, self.done = [], None, threading.Event()
+        self.cancel_after = cancel_after
+
+    def send(self, chunk):
+        self.chunks.append(chunk)
+        if chunk.finished:
+            self.done.set()
+
+    def fail(self, message):
+        self.error = message
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancel_after is not None and len(self.chunks) >= self.cancel_after
+
+    def output_ids(self):
+        ids = []
+        for c in self.chunks:
+            ids += c.token_ids[c.read_offset:]
+        return ids
+
+
+def _loop(tiny, **kwargs):
+    target, drafter = load_pair(tiny)
+    from dflash_runtime import SpeculativeEngine
+
+    engine = SpeculativeEngine(target, drafter, max_batch_size=2, max_context=256)
+    return engine, EngineLoop(engine, **kwargs)
+
+
+def test_streamed_chunks_rebuild_the_solo_output(tiny):
+    engine, loop = _loop(tiny)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    try:
+        expected = [s.output_ids for s in engine.generate(PROMPTS, params)]  # before the loop has work
+        streams = [Collector() for _ in PROMPTS]
+        for prompt, stream in zip(PROMPTS, streams):  # 4 requests, 2 slots: two wait in the queue
+            loop.submit(prompt, params, stream)
+        for stream in streams:
+            assert stream.done.wait(60) and stream.error is None
+        assert [s.output_ids() for s in streams] == expected
+        assert all(len(s.chunks) > 1 for s in streams) and streams[0].chunks[-1].finish_reason == "length"
+        # each chunk carries at most CONTEXT_TOKENS already-sent tokens as decoding context
+        assert all(c.read_offset <= 5 for s in streams for c in s.chunks)
+    finally:
+        loop.stop()
+
+
+def test_non_streaming_request_gets_one_complete_chunk(tiny):
+    engine, loop = _loop(tiny)
+    stream = Collector()
+    try:
+        loop.submit(PROMPTS[0], SamplingParams(max_new_tokens=20, ignore_eos=True), stream, streaming=False)
+        assert stream.done.wait(60)
+        assert len(stream.chunks) == 1 and stream.chunks[0].read_offset == 0 and len(stream.chunks[0].token_ids) == 20
+    finally:
+        loop.stop()
+
+
+def test_cancelled_request_frees_its_slot_and_others_continue(tiny):
+    engine, loop = _loop(tiny)
+    reports = []
+    loop.on_step = reports.append
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    cancelled, other = Collector(cancel_after=2), Collector()
+    try:
+        loop.submit(PROMPTS[0], params, cancelled)
+        loop.submit(PROMPTS[1], params, other)
+        assert cancelled.done.wait(60) and cancelled.error == "request cancelled"
+        assert other.done.wait(60) and other.error is None and len(other.output_ids()) == 60
+        assert sum(r.cancelled for r in reports) == 1
+        assert len(engine.free_slots) == 2 and not engine.running and reports[-1].active == 0
+    finally:
+        loop.stop()
+
+
+def test_bad_requests_are_refused_at_the_door_and_the_queue_is_bounded(tiny):
+    engine, loop = _loop(tiny, max_queue_size=1)
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    streams = [Collector() for _ in range(3)]
+    try:
+        with pytest.raises(DFlashError, match="context limit"):
+            loop.submit(PROMPTS[0], SamplingParams(max_new_tokens=1000), Collector())
+        with pytest.raises(DFlashError, match="outside the vocabulary"):
+            loop.submit([10**6], long, Collector())
+        for stream in streams:  # two slots: whatever the loop has admitted, one request waits
+            loop.submit(PROMPTS[0], long, stream)
+        with pytest.raises(QueueFull, match="at capacity"):
+            loop.submit(PROMPTS[1], long, Collector())
+    finally:
+        loop.stop()
+    assert all(s.error == "the server is shutting down" for s in streams)
+
+
+def test_drain_refuses_new_requests_and_ends_running_ones_with_an_error(tiny):
+    engine, loop = _loop(tiny)
+    stream = Collector()
+    try:
+        loop.submit(PROMPTS[0], SamplingParams(max_new_tokens=200, ignore_eos=True), stream)
+        loop.drain(0.0)
+        with pytest.raises(QueueFull, match="shutting down"):
+            loop.submit(PROMPTS[1], SamplingParams(max_new_tokens=5), Collector())
+        assert stream.done.wait(30) and "shutting down" in stream.error
+        assert not engine.running and len(engine.free_slots) == 2
+    finally:
+        loop.stop()
+
+
+def test_a_request_that_ends_in_its_first_step_is_sent_once(tiny):
+    engine, loop = _loop(tiny)
+    stream = Collector()
+    try:  # prefill gives token 1, the same step's verify pass gives token 2 and ends the request
+        loop.submit(PROMPTS[0], SamplingParams(max_new_tokens=2, ignore_eos=True), stream)
+        assert stream.done.wait(30) and stream.error is None
+        assert len(stream.chunks) == 1 and len(stream.output_ids()) == 2
+        loop.submit(PROMPTS[1], SamplingParams(max_new_tokens=3, ignore_eos=True), stream := Collector())
+        assert stream.done.wait(30) and stream.output_ids()  # the loop is still alive
+    finally:
+        loop.stop()

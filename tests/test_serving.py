@@ -1,0 +1,233 @@
+"""The real tritonserver on the built embedded default, called the way existing Triton LLM clients do.
+
+Raw tritonclient calls on purpose: the ensemble must work for clients that know only
+tensorrtllm_backend's tensor names.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+
+from deploy.serve import start_server
+from dflash_runtime import SamplingParams
+from dflash_runtime.pipeline import load_pipeline
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
+             "Say hello in Spanish.", "What do bees make?", "Name a large ocean.", "What color is the sky?",
+             "How many legs does a spider have?"]
+TYPES = {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
+         np.dtype(bool): "BOOL", np.dtype(np.uint64): "UINT64"}
+
+
+def inputs(**values) -> list:
+    """Ensemble inputs with a batch dimension of 1, as tensorrtllm_backend clients send them."""
+    tensors = []
+    for name, value in values.items():
+        array = value if isinstance(value, np.ndarray) else np.array([[value]], dtype={
+            str: object, bytes: object, int: np.int32, float: np.float32, bool: bool}[type(value)])
+        if array.dtype == object:
+            array = np.vectorize(lambda v: v.encode() if isinstance(v, str) else v, otypes=[object])(array)
+        tensor = grpcclient.InferInput(name, list(array.shape), TYPES[array.dtype])
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+class Stream:
+    """One gRPC bidirectional stream; collects the responses of the requests sent on it."""
+
+    def __init__(self, url: str):
+        self.client = grpcclient.InferenceServerClient(url)
+        self.responses = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+
+    def send(self, model: str = "ensemble", request_id: str = "", **values) -> None:
+        self.client.async_stream_infer(model, inputs(**values), request_id=request_id,
+                                       enable_empty_final_response=True)
+
+    def collect(self, timeout: float = 120) -> tuple[list, str | None]:
+        """(responses up to the final one, error message or None) for one request."""
+        results = []
+        while True:
+            result, error = self.responses.get(timeout=timeout)
+            if error is not None:
+                return results, error.message()
+            results.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return results, None
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+
+
+def streamed_text(url: str, question: str, max_tokens: int, **params) -> tuple[str, list]:
+    stream = Stream(url)
+    try:
+        stream.send(text_input=question, max_tokens=max_tokens, stream=True, apply_chat_template=True, **params)
+        results, error = stream.collect()
+    finally:
+        stream.close()
+    assert error is None, error
+    return "".join(r.as_numpy("text_output").item().decode() for r in results
+                   if r.as_numpy("text_output") is not None), results
+
+
+def metric(server, name: str) -> float:
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+
+@pytest.fixture(scope="module")
+def in_process(default_build):
+    """Greedy text per question from the runtime in this process, each question decoded alone."""
+    pipe = load_pipeline(str(default_build / "target"), str(default_build / "drafter"))
+    engine = pipe.engine(max_batch_size=1)
+    expected = {}
+    for q in QUESTIONS:
+        seq = engine.generate([pipe.encode(q)], SamplingParams(max_new_tokens=24))[0]
+        expected[q] = pipe.decode(seq.output_ids)
+    return expected
+
+
+def test_grpc_stream_and_http_generate_equal_in_process_greedy(default_server, in_process):
+    question = QUESTIONS[0]
+    text, results = streamed_text(default_server.grpc_url, question, 24)
+    assert text == in_process[question] and "Paris" in text
+    assert len(results) > 2  # streamed in pieces
+    last = results[-1]
+    assert last.as_numpy("finish_reason").item() in (b"stop", b"length")
+    steps = int(last.as_numpy("draft_steps").item())
+    assert steps > 0 and int(last.as_numpy("total_draft_tokens").item()) == steps * 15
+    assert last.as_numpy("mean_acceptance_length").item() == pytest.approx(
+        1 + last.as_numpy("total_accepted_draft_tokens").item() / steps, rel=1e-5)
+
+    body = {"text_input": question, "max_tokens": 24, "apply_chat_template": True}
+    url = f"http://{default_server.http_url}/v2/models/ensemble"
+    generated = requests.post(f"{url}/generate", json=body, timeout=120).json()
+    assert generated["text_output"] == in_process[question]
+    events = requests.post(f"{url}/generate_stream", json={**body, "stream": True}, timeout=120).text
+    pieces = [json.loads(line[len("data: "):]) for line in events.splitlines() if line.startswith("data: ")]
+    assert len(pieces) > 2 and "".join(p["text_output"] for p in pieces) == in_process[question]
+
+
+def test_eight_concurrent_streams_each_equal_their_solo_result(default_server, in_process):
+    texts = {}
+
+    def run(question):
+        texts[question] = streamed_text(default_server.grpc_url, question, 24)[0]
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in QUESTIONS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert texts == in_process
+
+
+def test_stream_false_returns_one_complete_response(default_server, in_process):
+    stream = Stream(default_server.grpc_url)
+    try:
+        stream.send(text_input=QUESTIONS[2], max_tokens=24, stream=False, apply_chat_template=True)
+        results, error = stream.collect()
+    finally:
+        stream.close()
+    assert error is None and len(results) == 1
+    assert results[0].as_numpy("text_output").item().decode() == in_process[QUESTIONS[2]]
+
+
+def test_cancelling_mid_stream_frees_the_sequence(default_server, default_build):
+    # Sent to the dflash model itself: tritonserver 2.51 checks an ensemble request's cancellation only
+    # between its steps and does not pass it on to a decoupled step that is still streaming.
+    from dflash_runtime.text import encode_prompt, load_tokenizer
+
+    prompt = encode_prompt(load_tokenizer(default_build / "target"), "Write a long story about a lighthouse.")
+    cancelled_before = metric(default_server, "dflash_cancelled_requests_total")
+    stream = Stream(default_server.grpc_url)
+    stream.send(model="dflash", input_ids=np.array([prompt], dtype=np.int32), max_tokens=1000, stream=True)
+    for _ in range(3):  # it is running
+        stream.responses.get(timeout=120)
+    assert metric(default_server, "dflash_active_sequences") == 1
+    stream.close(cancel=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and metric(default_server, "dflash_active_sequences") != 0:
+        time.sleep(0.2)
+    assert metric(default_server, "dflash_active_sequences") == 0
+    assert metric(default_server, "dflash_cancelled_requests_total") == cancelled_before + 1
+    assert metric(default_server, "dflash_kv_cache_utilization") == 0
+
+
+def test_metrics_sit_beside_tritons_own(default_server, in_process):
+    streamed_text(default_server.grpc_url, QUESTIONS[1], 8)
+    assert metric(default_server, "dflash_acceptance_length_count") > 0
+    assert metric(default_server, "dflash_verify_duration_seconds_count") > 0
+    assert metric(default_server, "dflash_generated_tokens_total") >= 8
+    assert metric(default_server, "nv_inference_request_success") > 0
+
+
+BAD_REQUESTS = {
+    "missing text_input": (dict(max_tokens=8), "text_input"),
+    "empty text": (dict(text_input="", max_tokens=8), "empty prompt"),
+    "non-UTF-8 bytes": (dict(text_input=b"\xff\xfe hello", max_tokens=8), "not valid UTF-8"),
+    "max_tokens 0": (dict(text_input="Hi", max_tokens=0), "max_tokens must be >= 1"),
+    "max_tokens over the limit": (dict(text_input="Hi", max_tokens=100000), "context limit"),
+    "prompt over the context limit": (dict(text_input="word " * 2100, max_tokens=8), "context limit"),
+    "negative temperature": (dict(text_input="Hi", max_tokens=8, temperature=-1.0), "temperature must be >= 0"),
+    "top_p 0": (dict(text_input="Hi", max_tokens=8, top_p=0.0), "top_p must be in"),
+    "top_p above 1": (dict(text_input="Hi", max_tokens=8, top_p=1.5), "top_p must be in"),
+    "negative top_k": (dict(text_input="Hi", max_tokens=8, top_k=-1), "top_k must be >= 0"),
+    "bad_words": (dict(text_input="Hi", max_tokens=8, bad_words=np.array([["bad"]], dtype=object)), "bad_words"),
+    "wrong dtype": (dict(text_input="Hi", max_tokens=np.array([[8.0]], dtype=np.float32)), "data-type"),
+    "wrong shape": (dict(text_input="Hi", max_tokens=np.array([[8, 9]], dtype=np.int32)), "shape"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(default_server, case):
+    values, message = BAD_REQUESTS[case]
+    stream = Stream(default_server.grpc_url)
+    try:
+        stream.send(**values)
+        results, error = stream.collect()
+    finally:
+        stream.close()
+    assert error is not None and message in error, error
+    assert streamed_text(default_server.grpc_url, "Hi", 2)[0]  # still serving
+
+
+def test_unknown_model_name_is_an_error(default_server):
+    stream = Stream(default_server.grpc_url)
+    try:
+        stream.send(model="no_such_model", text_input="Hi", max_tokens=8)
+        _, error = stream.collect()
+    finally:
+        stream.close()
+    assert "no_such_model" in error
+
+
+def test_restart_on_the_same_repository_and_shutdown_with_a_request_in_flight(default_build, in_process, tmp_path):
+    repository = default_build / "model_repository"
+    with start_server(repository, 0, 0, 0, log_path=tmp_path / "first.log") as server:
+        assert streamed_text(server.grpc_url, QUESTIONS[4], 24)[0] == in_process[QUESTIONS[4]]
+    server = start_server(repository, 0, 0, 0, log_path=tmp_path / "second.log", drain_seconds=2)
+    stream = Stream(server.grpc_url)
+    try:
+        assert streamed_text(server.grpc_url, QUESTIONS[4], 24)[0] == in_process[QUESTIONS[4]]
+        stream.send(text_input="Write a long story about a dragon.", max_tokens=1000, stream=True)
+        stream.responses.get(timeout=120)
+        stopper = threading.Thread(target=server.stop)
+        stopper.start()
+        _, error = stream.collect()
+        assert "shutting down" in error  # a final error response, not a dropped connection
+    finally:
+        stream.close()
+        stopper.join(120)
+    assert server.process.returncode == 0
