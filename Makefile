@@ -3,6 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q
 PROMPT ?= Explain in three sentences why the sky is blue.
+BUILD ?= builds/smollm2-135m
 
 .PHONY: install demo test bench train-drafter clean
 
@@ -23,8 +24,14 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/tools/bin/python -m pip -q install checkov==3.3.30
 	touch $@
 
+# Build the embedded default, serve it with tritonserver (ports 8000-8002), stream one answer through
+# the gRPC client, stop the server (it drains first). The server log is $(BUILD)/server.log.
 demo: install
-	$(VENV)/bin/dflash-generate --prompt "$(PROMPT)"
+	$(PY) builder/build.py --output $(BUILD)
+	$(VENV)/bin/dflash-serve $(BUILD)/model_repository > $(BUILD)/server.log 2>&1 & server=$$!; \
+	trap 'kill -TERM $$server; wait $$server' EXIT; \
+	$(VENV)/bin/dflash-client health --url localhost:8001 --wait 600 && \
+	$(VENV)/bin/dflash-client generate --url localhost:8001 --prompt "$(PROMPT)"
 
 test: install
 	$(PY) -m pytest

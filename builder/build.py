@@ -29,6 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from builder.quantize import KV_CACHE_FORMATS, QUANT_FORMATS
 from builder.render import TORCH_MODELS, render_repository
 from dflash_runtime.config import DFlashError, DrafterConfig, TargetConfig
 from dflash_runtime.presets import DEFAULT_PRESET, PRESETS, resolve_checkpoint, resolve_target
@@ -39,7 +40,6 @@ MANIFEST_FILE = "manifest.json"
 TARGET_DIR = "target"
 DRAFTER_DIR = "drafter"
 RUNTIMES = ("torch", "trtllm")
-QUANTIZATIONS = ("none", "fp8", "nvfp4")
 PACKAGES = ("torch", "transformers", "nvidia-modelopt", "tritonclient", "nvidia-pytriton", "tensorrt-llm")
 SANITY_PROMPTS = ["Explain what a hash table is and when to use one.", "Write a haiku about autumn."]
 
@@ -77,10 +77,10 @@ def resolve_inputs(opts: BuildOptions) -> Inputs:
     """Find the checkpoints and check that the drafter fits the target, before any heavy work."""
     if opts.runtime not in RUNTIMES:
         raise DFlashError(f"unknown runtime {opts.runtime!r} (known: {', '.join(RUNTIMES)})")
-    if opts.quant not in QUANTIZATIONS:
-        raise DFlashError(f"unknown quantization {opts.quant!r} (known: {', '.join(QUANTIZATIONS)})")
-    if opts.kv_cache not in ("none", "fp8"):
-        raise DFlashError(f"unknown KV-cache quantization {opts.kv_cache!r} (known: none, fp8)")
+    if opts.quant not in QUANT_FORMATS:
+        raise DFlashError(f"unknown quantization {opts.quant!r} (known: {', '.join(QUANT_FORMATS)})")
+    if opts.kv_cache not in KV_CACHE_FORMATS:
+        raise DFlashError(f"unknown KV-cache quantization {opts.kv_cache!r} (known: {', '.join(KV_CACHE_FORMATS)})")
     if opts.kv_cache == "fp8" and opts.quant == "none":
         raise DFlashError("--kv-cache fp8 needs --quant fp8 or nvfp4 (the KV scales are calibrated with the weights)")
     if opts.max_batch_size < 1 or opts.max_queue_size < 0 or opts.calib_samples < 1:
@@ -366,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu", help="trtllm: serving GPU (a100, l40s, h100, h200, b200, ...); checks the quantization")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="trtllm: GPUs per pipeline stage")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="trtllm: pipeline stages")
-    parser.add_argument("--quant", default="none", choices=QUANTIZATIONS, help="ModelOpt quantization of the target")
-    parser.add_argument("--kv-cache", default="none", choices=["none", "fp8"], help="KV-cache quantization (with --quant)")
+    parser.add_argument("--quant", default="none", choices=QUANT_FORMATS, help="ModelOpt quantization of the target")
+    parser.add_argument("--kv-cache", default="none", choices=KV_CACHE_FORMATS, help="KV-cache quantization (with --quant)")
     parser.add_argument("--calib-samples", type=int, default=128, help="ShareGPT calibration prompts for --quant")
     parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (KV-cache slots)")

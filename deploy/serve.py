@@ -140,18 +140,19 @@ class TritonServer:
         """Drain (requests finish, or end with an error after drain_seconds), then SIGTERM tritonserver."""
         (self.runtime_dir / DRAIN_FILE).touch()
         deadline = time.monotonic() + self.drain_seconds + 2  # the model's own deadline, plus a step
-        while time.monotonic() < deadline and self.process.poll() is None and self.sequences_in_flight():
+        while time.monotonic() < deadline and self.process.poll() is None and self.sequences_in_flight() != 0:
             time.sleep(0.25)
+        time.sleep(1.5)  # let the last responses leave before tritonserver closes the connections
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
 
-    def sequences_in_flight(self) -> int:
-        """Running + queued sequences of the dflash model, from its metrics (0 when unreadable)."""
+    def sequences_in_flight(self) -> int | None:
+        """Running + queued sequences of the dflash model, from its metrics (None when unreadable)."""
         try:
-            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
+            with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
                 lines = r.read().decode().splitlines()
         except (urllib.error.URLError, OSError):
-            return 0
+            return None
         gauges = ("dflash_active_sequences{", "dflash_queued_sequences{")
         return int(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(gauges)))
 

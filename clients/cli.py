@@ -1,0 +1,183 @@
+"""dflash-client: talk to a DFlash Triton server from the terminal (generate, chat, health)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from .client import RetryPolicy
+from .errors import DFlashClientError, IncompleteResponse, InvalidRequest
+from .params import GenerationParams
+from .results import Generation
+from .sync import DFlashClient
+from .transport import TLS
+
+EXAMPLES = """\
+examples:
+  dflash-client health --url localhost:8001 --wait 600       # exit 0 once the server and model are ready
+  dflash-client generate --url localhost:8001 --prompt "Why is the sky blue?"
+  dflash-client generate --url localhost:8000 --protocol http --prompt "def fib(n):" --raw --max-tokens 64
+  dflash-client generate --url localhost:8001 --prompt "Hi" --temperature 0.7 --top-p 0.9 --seed 7 --json
+  dflash-client chat --url localhost:8001                     # interactive; Ctrl-C stops an answer, Ctrl-D quits
+
+Exit status: 0 success, 1 server unreachable / not ready / failed / timed out / incomplete answer,
+2 invalid parameters (refused client-side with the server's rules, or by the server), 130 interrupted.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    connection = argparse.ArgumentParser(add_help=False)
+    group = connection.add_argument_group("connection")
+    group.add_argument("--url", required=True, metavar="HOST:PORT",
+                       help="server address: its gRPC port (8001 by default) or, with --protocol http, "
+                            "its HTTP port (8000)")
+    group.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="default: grpc")
+    group.add_argument("--timeout", type=float, metavar="S", help="per-request limit in seconds (default: none)")
+    group.add_argument("--retries", type=int, default=2, metavar="N",
+                       help="retries while the server is unreachable or at capacity (default: 2)")
+    group.add_argument("--tls", action="store_true", help="use TLS (gRPC: SSL channel; HTTP: https)")
+    group.add_argument("--ca", metavar="PEM", help="root certificates for --tls (default: the system's)")
+    group.add_argument("--cert", metavar="PEM", help="client certificate chain for mutual TLS")
+    group.add_argument("--key", metavar="PEM", help="client private key for mutual TLS")
+
+    sampling = argparse.ArgumentParser(add_help=False)
+    group = sampling.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                       help="tokens to generate at most (default: 256)")
+    group.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    group.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    group.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, in (0, 1]")
+    group.add_argument("--seed", type=int, metavar="S", help="same seed, same answer (with or without the drafter)")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+
+    parser = argparse.ArgumentParser(
+        prog="dflash-client", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+        description="Generate text with a DFlash Triton server (model `ensemble`), check its health.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser(
+        "generate", parents=[connection, sampling], help="answer one prompt, streamed to stdout",
+        description="Answer one prompt. The text streams to stdout as the server accepts it; a summary "
+                    "(finish reason, acceptance length, latency) goes to stderr.")
+    generate.add_argument("--prompt", required=True, help="the prompt ('-' reads stdin)")
+    generate.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    generate.add_argument("--json", action="store_true",
+                          help="print one JSON object (text, finish_reason, stats, timings) instead of streaming")
+    chat = commands.add_parser(
+        "chat", parents=[connection, sampling], help="chat in the terminal (interactive, or one-shot with --prompt)",
+        description="Chat in the terminal. Each turn is answered on its own: the server's chat template "
+                    "takes one user message, not a conversation.")
+    chat.add_argument("--prompt", help="answer this one message and exit")
+    health = commands.add_parser("health", parents=[connection], help="exit 0 only when the server is ready",
+                                 description="Check that the server is live and the `ensemble` model is ready.")
+    health.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+                        help="poll until ready for up to SECONDS (default: check once)")
+    return parser
+
+
+def connect(args) -> DFlashClient:
+    tls = None
+    if args.tls or args.ca or args.cert:
+        tls = TLS(root_certificates=args.ca, private_key=args.key, certificate_chain=args.cert)
+    return DFlashClient(args.url, args.protocol, tls=tls, retry=RetryPolicy(attempts=args.retries + 1),
+                        timeout=args.timeout)
+
+
+def params_from(args) -> GenerationParams:
+    return GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+
+
+def run_health(client: DFlashClient, args) -> int:
+    health = client.wait_ready(args.wait) if args.wait > 0 else client.health()
+    if not health.ready:
+        raise DFlashClientError(f"{args.url} is not ready: {health.detail}", args.url)
+    print(f"ready: {args.url} ({args.protocol})")
+    return 0
+
+
+def run_generate(client: DFlashClient, args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = params_from(args)
+    if args.json:
+        result = client.generate(prompt, params, chat=not args.raw, stream=True)
+        print(json.dumps(as_json(result), ensure_ascii=False, indent=2))
+    else:
+        stream_answer(client, prompt, params, chat=not args.raw)
+    return 0
+
+
+def run_chat(client: DFlashClient, args) -> int:
+    params = params_from(args)
+    if args.prompt is not None:
+        stream_answer(client, args.prompt, params, chat=True)
+        return 0
+    print(f"chatting with {args.url}; Ctrl-C stops an answer, Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            message = input("> ").strip()
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not message:
+            continue
+        try:
+            stream_answer(client, message, params, chat=True)
+        except KeyboardInterrupt:
+            print("\n[stopped]", file=sys.stderr)
+        except InvalidRequest as e:  # a bad message is worth a new try, not an exit
+            print(f"error: {e}", file=sys.stderr)
+
+
+def stream_answer(client: DFlashClient, prompt: str, params: GenerationParams, chat: bool) -> Generation:
+    """Print the deltas as they arrive, then a one-line summary on stderr."""
+    with client.stream(prompt, params, chat=chat) as stream:
+        try:
+            for delta in stream:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except IncompleteResponse:
+            print(file=sys.stderr)
+            print("[the answer above is incomplete]", file=sys.stderr)
+            raise
+    print()
+    result = stream.result
+    print(summary(result), file=sys.stderr)
+    return result
+
+
+def summary(result: Generation) -> str:
+    s, t = result.stats, result.timings
+    return (f"[{result.finish_reason}; acceptance length {s.mean_acceptance_length:.2f} over {s.draft_steps} steps, "
+            f"{s.accepted_draft_tokens}/{s.draft_tokens} drafts accepted; "
+            f"first text {t.ttft:.2f} s, total {t.total:.2f} s]")
+
+
+def as_json(result: Generation) -> dict:
+    return {"text": result.text, "finish_reason": result.finish_reason, "stats": asdict(result.stats),
+            "timings": {"ttft": result.timings.ttft, "total": result.timings.total,
+                        "chunks": len(result.timings.chunks)},
+            "attempts": result.attempts}
+
+
+COMMANDS = {"health": run_health, "generate": run_generate, "chat": run_chat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with connect(args) as client:
+            return COMMANDS[args.command](client, args)
+    except InvalidRequest as e:
+        print(f"dflash-client: invalid request: {e}", file=sys.stderr)
+        return 2
+    except DFlashClientError as e:
+        print(f"dflash-client: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

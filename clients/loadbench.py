@@ -1,0 +1,316 @@
+"""dflash-loadbench: load-test a running DFlash server, optionally side by side with a baseline server.
+
+Replays a prompt set (chat, ShareGPT held-out, HumanEval, or a .jsonl file) at fixed concurrency
+levels (N clients, each sending its next request when the last one completed) or at fixed request
+rates (Poisson arrivals, the same schedule for both servers). Every request streams, so the time to
+first token (TTFT) and the inter-token latency (ITL) are measured as a backend service sees them.
+
+With --baseline-url (a build with `--drafter none`: the same engine decoding one token per pass),
+the levels alternate between the two servers (A B, B A, ...) so drifting machine load hits both
+alike, and the speedup is printed per level.
+
+Output tokens are counted by re-tokenizing the returned text with the model's tokenizer (--tokenizer;
+the server returns text only). ITL spreads each streamed group's gap over its tokens (DFlash commits
+several tokens per verify pass); its mean is (latency - TTFT) / (tokens - 1).
+
+This is not dflash-bench, which times the runtime in-process (no server).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .client import AsyncDFlashClient
+from .errors import DFlashClientError
+from .params import GenerationParams
+from .results import Generation
+
+EXAMPLES = """\
+examples:
+  # DFlash server against a baseline built with --drafter none, 3 concurrency levels, ShareGPT prompts
+  dflash-loadbench --url localhost:8001 --baseline-url localhost:9001 --tokenizer builds/smollm2-135m/target \\
+      --prompts sharegpt --num-prompts 32 --concurrency 1 4 8 --max-tokens 128 --json bench.json --plot bench.png
+  # Poisson arrivals at 0.5, 1 and 2 requests/s, HumanEval prompts, over HTTP
+  dflash-loadbench --url localhost:8000 --protocol http --tokenizer builds/smollm2-135m/target \\
+      --prompts humaneval --request-rate 0.5 1 2
+"""
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Level:
+    kind: str  # "concurrency" or "request_rate"
+    value: float
+
+    @property
+    def label(self) -> str:
+        return f"c={self.value:g}" if self.kind == "concurrency" else f"{self.value:g} req/s"
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[str]
+    params: GenerationParams
+    chat: bool
+    seed: int  # request-rate arrival times
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request: its Generation, or the error that ended it."""
+
+    prompt: int
+    generation: Generation | None
+    error: str | None = None
+
+
+async def run_level(client: AsyncDFlashClient, workload: Workload, level: Level, on_done: Callable[[], None]
+                    ) -> tuple[list[Outcome], float]:
+    """Send every prompt once at this level; (outcomes in prompt order, wall-clock seconds)."""
+    outcomes: list[Outcome | None] = [None] * len(workload.prompts)
+
+    async def send(i: int) -> None:
+        try:
+            generation = await client.generate(workload.prompts[i], workload.params, chat=workload.chat, stream=True)
+            outcomes[i] = Outcome(i, generation)
+        except DFlashClientError as e:
+            outcomes[i] = Outcome(i, None, f"{type(e).__name__}: {e}")
+        on_done()
+
+    start = time.perf_counter()
+    if level.kind == "concurrency":
+        queue = iter(range(len(workload.prompts)))  # shared: each worker takes the next prompt when free
+
+        async def worker() -> None:
+            for i in queue:
+                await send(i)
+
+        await asyncio.gather(*(worker() for _ in range(int(level.value))))
+    else:
+        rng = random.Random(workload.seed)  # the same arrival schedule for every server
+        tasks = []
+        for i in range(len(workload.prompts)):
+            if i:
+                await asyncio.sleep(rng.expovariate(level.value))
+            tasks.append(asyncio.create_task(send(i)))
+        await asyncio.gather(*tasks)
+    return outcomes, time.perf_counter() - start
+
+
+def summarize(outcomes: list[Outcome], seconds: float, count_tokens: Callable[[str], int]) -> dict:
+    """Throughput, latency percentiles and acceptance of one level on one server."""
+    done = [o for o in outcomes if o.generation is not None]
+    tokens = [count_tokens(o.generation.text) for o in done]
+    latencies = [t for o in done for t in o.generation.timings.token_latencies(count_tokens)]
+    steps = sum(o.generation.stats.draft_steps for o in done)
+    committed = sum(o.generation.stats.draft_steps * o.generation.stats.mean_acceptance_length for o in done)
+    return {
+        "requests": len(outcomes),
+        "failed": len(outcomes) - len(done),
+        "errors": sorted({o.error for o in outcomes if o.error})[:5],
+        "seconds": round(seconds, 3),
+        "requests_per_s": round(len(done) / seconds, 4),
+        "output_tokens": sum(tokens),
+        "output_tokens_per_s": round(sum(tokens) / seconds, 3),
+        "ttft_s": distribution([o.generation.timings.ttft for o in done]),
+        "itl_s": distribution(latencies),
+        "latency_s": distribution([o.generation.timings.total for o in done]),
+        "mean_acceptance_length": round(committed / steps, 4) if steps else None,
+        "per_request": [request_record(o.prompt, o.generation, n) for o, n in zip(done, tokens)],
+    }
+
+
+def request_record(prompt: int, generation: Generation, output_tokens: int) -> dict:
+    return {"prompt": prompt, "output_tokens": output_tokens, "finish_reason": generation.finish_reason,
+            "ttft_s": round(generation.timings.ttft, 4), "latency_s": round(generation.timings.total, 4),
+            "stats": asdict(generation.stats), "text": generation.text}
+
+
+def distribution(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    points = np.percentile(values, PERCENTILES)
+    return {"mean": round(float(np.mean(values)), 5),
+            **{f"p{p}": round(float(v), 5) for p, v in zip(PERCENTILES, points)}}
+
+
+def compare(main: dict, baseline: dict) -> dict:
+    """Speedup of the DFlash server over the baseline at one level (> 1: DFlash is better)."""
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    same = sum(a["text"] == b["text"] for a, b in zip(main["per_request"], baseline["per_request"])
+               if a["prompt"] == b["prompt"])
+    return {"output_tokens_per_s": ratio(main["output_tokens_per_s"], baseline["output_tokens_per_s"]),
+            "ttft_p50": ratio(baseline["ttft_s"]["p50"], main["ttft_s"]["p50"]),
+            "itl_p50": ratio(baseline["itl_s"]["p50"], main["itl_s"]["p50"]),
+            "identical_texts": f"{same}/{len(main['per_request'])}"}
+
+
+async def run(args, workload: Workload, levels: list[Level], count_tokens: Callable[[str], int]) -> dict:
+    from tqdm import tqdm
+
+    servers = {"dflash": args.url, **({"baseline": args.baseline_url} if args.baseline_url else {})}
+    clients = {name: AsyncDFlashClient(url, args.protocol, timeout=args.timeout) for name, url in servers.items()}
+    total = (len(levels) * len(workload.prompts) + args.warmup) * len(clients)
+    results: dict[str, dict] = {}
+    try:
+        with tqdm(total=total, unit="req", file=sys.stderr) as progress:
+            for name, client in clients.items():
+                progress.set_description(f"ready? {name}")
+                await client.wait_ready(args.wait)
+                progress.set_description(f"warm-up {name}")
+                warm = Workload(workload.prompts[:1] * args.warmup, workload.params, workload.chat, workload.seed)
+                await run_level(client, warm, Level("concurrency", 1), lambda: progress.update())
+            for n, level in enumerate(levels):
+                order = list(clients) if n % 2 == 0 else list(clients)[::-1]  # A B, B A: drift hits both
+                row = results.setdefault(level.label, {"level": asdict(level)})
+                for name in order:
+                    progress.set_description(f"{level.label} {name}")
+                    outcomes, seconds = await run_level(clients[name], workload, level, lambda: progress.update())
+                    row[name] = summarize(outcomes, seconds, count_tokens)
+                if "baseline" in row:
+                    row["speedup"] = compare(row["dflash"], row["baseline"])
+    finally:
+        for client in clients.values():
+            await client.close()
+    return {"config": {"url": args.url, "baseline_url": args.baseline_url, "protocol": args.protocol,
+                       "prompts": args.prompts, "num_prompts": len(workload.prompts), "chat": workload.chat,
+                       "params": asdict(workload.params), "warmup": args.warmup, "tokenizer": args.tokenizer},
+            "levels": list(results.values())}
+
+
+def table(summary: dict) -> str:
+    header = (f"{'level':<12}{'server':<10}{'req/s':>8}{'out tok/s':>11}{'TTFT p50/p90/p99 s':>22}"
+              f"{'ITL p50/p90/p99 ms':>22}{'tau':>7}{'failed':>8}")
+    lines = [header, "-" * len(header)]
+    for row in summary["levels"]:
+        label = Level(**row["level"]).label
+        for name in ("dflash", "baseline"):
+            if name in row:
+                r = row[name]
+                ttft = "/".join(_fmt(r["ttft_s"][f"p{p}"]) for p in PERCENTILES)
+                itl = "/".join(_fmt(r["itl_s"][f"p{p}"], 1000, 1) for p in PERCENTILES)
+                tau = _fmt(r["mean_acceptance_length"])
+                lines.append(f"{label:<12}{name:<10}{r['requests_per_s']:>8.3f}{r['output_tokens_per_s']:>11.2f}"
+                             f"{ttft:>22}{itl:>22}{tau:>7}{r['failed']:>8}")
+        if "speedup" in row:
+            s = row["speedup"]
+            lines.append(f"{'':<12}{'speedup':<10}{'':>8}{_fmt(s['output_tokens_per_s'], suffix='x'):>11}"
+                         f"{_fmt(s['ttft_p50'], suffix='x'):>22}{_fmt(s['itl_p50'], suffix='x'):>22}"
+                         f"   identical texts {s['identical_texts']}")
+    return "\n".join(lines)
+
+
+def _fmt(value, scale: float = 1.0, digits: int = 2, suffix: str = "") -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}{suffix}"
+
+
+def plot(summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["levels"]
+    x = [row["level"]["value"] for row in rows]
+    kind = rows[0]["level"]["kind"]
+    fig, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, style, color in (("dflash", "-", "C0"), ("baseline", "--", "C1")):  # line style: the server
+        if name not in rows[0]:
+            continue
+        throughput.plot(x, [row[name]["output_tokens_per_s"] for row in rows], style, color=color, marker="o",
+                        label=name)
+        latency.plot(x, [row[name]["ttft_s"]["p50"] for row in rows], style, color="C2", marker="o",
+                     label=f"{name} TTFT p50")
+        latency.plot(x, [row[name]["itl_s"]["p50"] for row in rows], style, color="C3", marker="s",
+                     label=f"{name} ITL p50")
+    xlabel = "concurrent requests" if kind == "concurrency" else "request rate (req/s)"
+    throughput.set(xlabel=xlabel, ylabel="output tokens/s", title="throughput")
+    latency.set(xlabel=xlabel, ylabel="seconds", yscale="log", title="latency")
+    for ax in (throughput, latency):
+        ax.set_xticks(x)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def token_counter(tokenizer: str) -> Callable[[str], int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    return lambda text: len(tok.encode(text, add_special_tokens=False)) if text else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-loadbench", description=__doc__, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", required=True, metavar="HOST:PORT", help="the DFlash server (gRPC port by default)")
+    parser.add_argument("--baseline-url", metavar="HOST:PORT", help="a baseline server (build with --drafter none)")
+    parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    parser.add_argument("--tokenizer", required=True, metavar="DIR",
+                        help="the served model's tokenizer, to count output tokens: <build>/target")
+    parser.add_argument("--prompts", default="sharegpt", metavar="SET",
+                        help="chat, sharegpt (held-out split), humaneval, or a .jsonl file (default: sharegpt)")
+    parser.add_argument("--num-prompts", type=int, default=32, metavar="N", help="requests per level (default: 32)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", type=int, nargs="+", metavar="N", help="concurrency levels (default: 1 4 8)")
+    mode.add_argument("--request-rate", type=float, nargs="+", metavar="R", help="Poisson arrival rates, requests/s")
+    parser.add_argument("--max-tokens", type=int, default=128, metavar="N", help="default: 128")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="0 = greedy (default): both servers must agree")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="sampling seed and arrival schedule (default: 0)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="run every answer to --max-tokens (sends end_id -1): the same work per request")
+    parser.add_argument("--raw", action="store_true", help="send prompts as raw text, without the chat template")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="unmeasured requests per server first (default: 2)")
+    parser.add_argument("--timeout", type=float, default=600, metavar="S",
+                        help="per-request limit in seconds (default: 600)")
+    parser.add_argument("--wait", type=float, default=60, metavar="S",
+                        help="seconds to wait for the servers to be ready (default: 60)")
+    parser.add_argument("--json", metavar="PATH", default="loadbench.json", help="results (default: loadbench.json)")
+    parser.add_argument("--plot", metavar="PATH", help="PNG: throughput and latency against the level")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    levels = ([Level("request_rate", r) for r in args.request_rate] if args.request_rate
+              else [Level("concurrency", c) for c in args.concurrency or (1, 4, 8)])
+    try:
+        if any(level.value <= 0 for level in levels) or args.num_prompts < 1 or args.warmup < 0:
+            raise ValueError("levels and --num-prompts must be > 0, --warmup >= 0")
+        from dflash_runtime.benchmark import prompt_set  # the same prompt sets as dflash-bench
+
+        params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  seed=args.seed if args.temperature > 0 else None,
+                                  end_id=-1 if args.ignore_eos else None)
+        workload = Workload(prompt_set(args.prompts, args.num_prompts), params, not args.raw, args.seed)
+        summary = asyncio.run(run(args, workload, levels, token_counter(args.tokenizer)))
+    except (DFlashClientError, ValueError, OSError) as e:  # DFlashError (bad prompt set) is a ValueError
+        print(f"dflash-loadbench: error: {e}", file=sys.stderr)
+        return 1
+    print(table(summary))
+    Path(args.json).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(summary, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""What a request asks for: the prompt (raw text or chat messages) and the sampling parameters.
+
+The validation rules are the server's (`dflash_runtime.sampling.SamplingParams`), restated here
+because that module needs torch and a backend service installing only the client should not;
+tests/test_clients.py checks that both accept and refuse the same values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence, Union
+
+from .errors import InvalidRequest
+
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+
+# A chat message as in the OpenAI / Hugging Face chat formats: {"role": "user", "content": "..."}.
+Message = Mapping[str, str]
+Prompt = Union[str, Sequence[Message]]
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None  # same seed, same output (with or without the drafter)
+    stop: tuple[str, ...] = ()  # stop strings; the text ends before the match
+    end_id: int | None = None  # replaces the model's end-of-sequence ids (TensorRT-LLM semantics)
+
+    def __post_init__(self):
+        # The tensor types bound what fits (INT32, UINT64); within them, the server's rules.
+        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX,
+               f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")  # refuses NaN too
+        _check(_is_int(self.top_k) and 0 <= self.top_k <= INT32_MAX, f"top_k must be >= 0, got {self.top_k}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= UINT64_MAX),
+               f"seed must be in [0, 2**64), got {self.seed}")
+        _check(self.end_id is None or (_is_int(self.end_id) and -2**31 <= self.end_id <= INT32_MAX),
+               f"end_id must be a 32-bit integer, got {self.end_id}")
+        _check(not isinstance(self.stop, str), "stop must be a sequence of strings, not one string")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must not be empty")
+
+
+def prompt_text(prompt: Prompt, chat: bool) -> tuple[str, bool]:
+    """(text_input, apply_chat_template) for the server.
+
+    The server's chat template wraps text_input as ONE user message, so a conversation must be a
+    single user message for now; anything else is refused rather than silently flattened.
+    """
+    if isinstance(prompt, str):
+        _check(bool(prompt), "empty prompt")
+        return prompt, chat
+    roles = [m.get("role") for m in prompt]
+    _check(roles == ["user"], f"the server's chat template takes one user message, got roles {roles}")
+    content = prompt[0].get("content")
+    _check(isinstance(content, str) and bool(content), "empty prompt")
+    return content, True
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(message)

@@ -1,0 +1,92 @@
+"""builder/build.py: artifacts, manifest, rendered configs, reuse, quantized builds, bad input."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from builder.build import BuildOptions, build, main
+from builder.render import parse_model_config
+from dflash_runtime.config import DFlashError
+
+
+def test_default_build_is_complete_and_reused(default_build, capsys):
+    manifest = json.loads((default_build / "manifest.json").read_text())
+    assert manifest["artifacts"]["models"] == ["dflash", "ensemble", "postprocessing", "preprocessing"]
+    assert manifest["options"]["block_size"] == 16 and manifest["inputs"]["preset"] == "smollm2-135m"
+    assert manifest["inputs"]["file_sha256"]["drafter"]["model.safetensors"]
+    for name in manifest["artifacts"]["models"]:
+        config = parse_model_config(default_build / "model_repository" / name / "config.pbtxt")
+        assert config.name == name and config.max_batch_size == 8
+    dflash = parse_model_config(default_build / "model_repository" / "dflash" / "config.pbtxt")
+    assert dflash.model_transaction_policy.decoupled
+    assert dflash.parameters["drafter_dir"].string_value == "../drafter"  # relative: the build can move
+    again = build(BuildOptions(target="smollm2-135m", drafter="preset", max_batch_size=8, sanity_tokens=0),
+                  default_build)
+    assert again["reused"] and again["build_key"] == manifest["build_key"]
+
+
+def test_fp8_build_reports_quality_and_stays_lossless(tmp_path, capsys):
+    assert main(["--quant", "fp8", "--calib-samples", "8", "--sanity-tokens", "16", "--output",
+                 str(tmp_path / "fp8")]) == 0
+    manifest = json.loads((tmp_path / "fp8" / "manifest.json").read_text())
+    assert (tmp_path / "fp8" / "target" / "hf_quant_config.json").is_file()
+    quality = manifest["quantization"]
+    assert quality["quant"] == "fp8" and quality["calibration"]["samples"] == 8
+    assert 0 < quality["perplexity"] < 2 * quality["unquantized"]["perplexity"]
+    sanity = manifest["sanity"]
+    assert sanity["token_identical_prompts"] == "2/2" and sanity["mean_acceptance_length"] >= 1
+    assert "perplexity" in capsys.readouterr().out  # the summary table
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_trtllm_build_writes_llm_api_artifacts(tiny, tmp_path):
+    manifest = build(BuildOptions(target=str(tiny[0]), drafter=str(tiny[1]), runtime="trtllm",
+                                  gpu="h100", tensor_parallel_size=2, sanity_tokens=0), tmp_path / "trt")
+    options = manifest["trtllm"]["options"]
+    assert options["speculative_config"]["decoding_type"] == "DFlash" and options["tensor_parallel_size"] == 2
+    assert options["speculative_config"]["speculative_model"] == str(tmp_path / "trt" / "drafter")
+    assert (tmp_path / "trt" / "extra_llm_api_options.yaml").is_file()
+    assert (tmp_path / "trt" / "model_repository" / "tensorrt_llm" / "1" / "model.yaml").is_file()
+    assert not manifest["trtllm"]["validated"] and "not importable" in manifest["trtllm"]["validation"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target", "no-such-model"], "neither a preset"),
+    (["--runtime", "trtllm", "--gpu", "h100", "--quant", "nvfp4"], "needs Blackwell"),
+    (["--runtime", "trtllm"], "needs --gpu"),
+    (["--tensor-parallel-size", "2"], "needs --runtime trtllm"),
+    (["--kv-cache", "fp8"], "needs --quant"),
+    (["--block-size", "32"], "larger than the drafter supports"),
+])
+def test_bad_options_fail_before_any_work(argv, message, tmp_path, capsys):
+    assert main([*argv, "--output", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_drafter_that_does_not_fit_the_target_is_refused(tiny, tmp_path):
+    with pytest.raises(DFlashError, match="drafter does not fit the target"):
+        build(BuildOptions(target="smollm2-135m", drafter=str(tiny[1])), tmp_path / "out")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_unwritable_output_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(DFlashError, match="not writable"):
+        build(BuildOptions(target="smollm2-135m", drafter="preset"), locked / "out")
+
+
+def test_output_under_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DFlashError, match="cannot create"):
+        build(BuildOptions(target="smollm2-135m", drafter="preset"), tmp_path / "file" / "out")
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    assert main(["--quant", "fp8", "--dry-run", "--output", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "quantize the target with ModelOpt: fp8" in out and "sanity run" in out
+    assert not (tmp_path / "out").exists()
