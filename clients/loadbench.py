@@ -163,6 +163,7 @@ async def run(args, workload: Workload, levels: list[Level], count_tokens: Calla
     clients = {name: AsyncDFlashClient(url, args.protocol, timeout=args.timeout) for name, url in servers.items()}
     total = (len(levels) * len(workload.prompts) + args.warmup) * len(clients)
     results: dict[str, dict] = {}
+    in_process = None
     try:
         with tqdm(total=total, unit="req", file=sys.stderr) as progress:
             for name, client in clients.items():
@@ -171,6 +172,9 @@ async def run(args, workload: Workload, levels: list[Level], count_tokens: Calla
                 progress.set_description(f"warm-up {name}")
                 warm = Workload(workload.prompts[:1] * args.warmup, workload.params, workload.chat, workload.seed)
                 await run_level(client, warm, Level("concurrency", 1), lambda: progress.update())
+            if args.in_process:
+                progress.set_description("server vs in-process")
+                in_process = await server_vs_in_process(clients["dflash"], workload, args.in_process, count_tokens)
             for n, level in enumerate(levels):
                 order = list(clients) if n % 2 == 0 else list(clients)[::-1]  # A B, B A: drift hits both
                 row = results.setdefault(level.label, {"level": asdict(level)})
@@ -186,7 +190,52 @@ async def run(args, workload: Workload, levels: list[Level], count_tokens: Calla
     return {"config": {"url": args.url, "baseline_url": args.baseline_url, "protocol": args.protocol,
                        "prompts": args.prompts, "num_prompts": len(workload.prompts), "chat": workload.chat,
                        "params": asdict(workload.params), "warmup": args.warmup, "tokenizer": args.tokenizer},
-            "levels": list(results.values())}
+            "server_vs_in_process": in_process, "levels": list(results.values())}
+
+
+async def server_vs_in_process(client: AsyncDFlashClient, workload: Workload, build: str,
+                               count_tokens: Callable[[str], int]) -> dict:
+    """Single-stream tokens/s through the server against the same build's engine in this process.
+
+    Prompt by prompt, alternating which goes first, so machine noise hits both alike. Greedy only:
+    the two must return the same text (checked).
+    """
+    from dflash_runtime.pipeline import load_pipeline
+    from dflash_runtime.sampling import SamplingParams
+
+    manifest = json.loads((Path(build) / "manifest.json").read_text())
+    drafter = str(Path(build) / "drafter") if manifest["artifacts"]["drafter"] else None
+    pipe = load_pipeline(str(Path(build) / "target"), drafter, manifest["options"]["dtype"])
+    engine = pipe.engine(block_size=manifest["options"]["block_size"], max_batch_size=1)
+    params = SamplingParams(max_new_tokens=workload.params.max_tokens, ignore_eos=workload.params.end_id == -1,
+                            stop_token_ids=() if workload.params.end_id is None else (workload.params.end_id,))
+    seconds = {"server": 0.0, "in_process": 0.0}
+    tokens, identical, ttft = 0, 0, []
+
+    def local(prompt: str) -> str:
+        start = time.perf_counter()
+        seq = engine.generate([pipe.encode(prompt, chat=workload.chat)], params)[0]
+        seconds["in_process"] += time.perf_counter() - start
+        return pipe.decode(seq.output_ids)
+
+    async def remote(prompt: str) -> str:
+        generation = await client.generate(prompt, workload.params, chat=workload.chat, stream=True)
+        seconds["server"] += generation.timings.total
+        ttft.append(generation.timings.ttft)
+        return generation.text
+
+    for n, prompt in enumerate(workload.prompts):
+        if n % 2 == 0:
+            mine, theirs = local(prompt), await remote(prompt)
+        else:
+            theirs, mine = await remote(prompt), local(prompt)
+        identical += mine == theirs
+        tokens += count_tokens(mine)
+    rates = {k: tokens / max(v, 1e-9) for k, v in seconds.items()}
+    return {"tokens": tokens, "tokens_per_second": {k: round(v, 2) for k, v in rates.items()},
+            "ratio_server_vs_in_process": round(rates["server"] / rates["in_process"], 3),
+            "server_ttft_p50_s": round(float(np.percentile(ttft, 50)), 3),
+            "identical_texts": f"{identical}/{len(workload.prompts)}"}
 
 
 def table(summary: dict) -> str:
@@ -281,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="per-request limit in seconds (default: 600)")
     parser.add_argument("--wait", type=float, default=60, metavar="S",
                         help="seconds to wait for the servers to be ready (default: 60)")
+    parser.add_argument("--in-process", metavar="BUILD",
+                        help="first compare single-stream tokens/s through the server with BUILD's engine run in "
+                             "this process (the server's overhead); greedy")
     parser.add_argument("--json", metavar="PATH", default="loadbench.json", help="results (default: loadbench.json)")
     parser.add_argument("--plot", metavar="PATH", help="PNG: throughput and latency against the level")
     return parser
@@ -303,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     except (DFlashClientError, ValueError, OSError) as e:  # DFlashError (bad prompt set) is a ValueError
         print(f"dflash-loadbench: error: {e}", file=sys.stderr)
         return 1
+    if summary["server_vs_in_process"]:
+        print(f"server vs in-process (single stream): {json.dumps(summary['server_vs_in_process'])}")
     print(table(summary))
     Path(args.json).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)

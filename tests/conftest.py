@@ -90,6 +90,25 @@ def hf_greedy(target_dir: Path, prompt: list[int], max_new_tokens: int) -> list[
     return out[0, len(prompt):].tolist()
 
 
+def edited_copy(src: Path, dst: Path, edit_config=None, edit_state=None) -> Path:
+    """A copy of a checkpoint directory with its config.json and/or model.safetensors edited."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if edit_config:
+        config = json.loads((dst / "config.json").read_text())
+        edit_config(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    if edit_state:
+        state = load_file(str(dst / "model.safetensors"))
+        edit_state(state)
+        save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
 @pytest.fixture(scope="session")
 def default_build(tmp_path_factory):
     """The embedded default built once per session (quant none, torch runtime, no sanity run)."""

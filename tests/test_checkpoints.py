@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from conftest import MASK, VOCAB, load_pair
+from conftest import MASK, VOCAB, edited_copy, load_pair
 from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine, load_drafter, load_target
 from dflash_runtime.config import read_rope
 from dflash_runtime.kv_cache import KVCache
@@ -31,19 +30,6 @@ def test_drafter_checkpoint_is_in_the_zlab_format(tiny):
     assert keys == expected  # embedding and LM head are the target's, never stored
 
 
-def _broken_copy(src, dst, edit_config=None, edit_state=None):
-    shutil.copytree(src, dst)
-    if edit_config:
-        config = json.loads((dst / "config.json").read_text())
-        edit_config(config)
-        (dst / "config.json").write_text(json.dumps(config))
-    if edit_state:
-        state = load_file(str(dst / "model.safetensors"))
-        edit_state(state)
-        save_file(state, str(dst / "model.safetensors"))
-    return dst
-
-
 @pytest.mark.parametrize("name,edit_config,edit_state,message", [
     ("missing-tensor", None, lambda s: s.pop("layers.0.mlp.up_proj.weight"), "missing tensors layers.0.mlp.up_proj.weight"),
     ("wrong-shape", None, lambda s: s.update({"fc.weight": torch.zeros(64, 64)}), "wrong shapes fc.weight"),
@@ -57,7 +43,7 @@ def _broken_copy(src, dst, edit_config=None, edit_state=None):
 ])
 def test_malformed_drafters_are_refused_clearly(tiny, tmp_path, name, edit_config, edit_state, message):
     target = load_target(tiny[0])
-    broken = _broken_copy(tiny[1], tmp_path / name, edit_config, edit_state)
+    broken = edited_copy(tiny[1], tmp_path / name, edit_config, edit_state)
     with pytest.raises(DFlashError, match=message):
         load_drafter(broken, target.config)
 

@@ -254,7 +254,7 @@ def test_loadbench_reports_consistent_numbers(default_server, default_build, tmp
     code = loadbench.main(["--url", default_server.grpc_url, "--baseline-url", default_server.grpc_url,
                            "--tokenizer", str(default_build / "target"), "--prompts", "chat", "--num-prompts", "3",
                            "--concurrency", "1", "2", "--max-tokens", "12", "--warmup", "1",
-                           "--json", str(out), "--plot", str(png)])
+                           "--in-process", str(default_build), "--json", str(out), "--plot", str(png)])
     assert code == 0 and png.stat().st_size > 0
     summary = json.loads(out.read_text())
     count = loadbench.token_counter(str(default_build / "target"))
@@ -271,6 +271,10 @@ def test_loadbench_reports_consistent_numbers(default_server, default_build, tmp
             assert r["ttft_s"]["p50"] <= r["ttft_s"]["p90"] <= r["ttft_s"]["p99"]
             assert r["mean_acceptance_length"] >= 1
         assert row["speedup"]["identical_texts"] == "3/3"  # greedy: the same server answers alike
+    overhead = summary["server_vs_in_process"]  # the build's engine in this process: the same texts
+    assert overhead["identical_texts"] == "3/3" and overhead["tokens"] > 0
+    rates = overhead["tokens_per_second"]
+    assert overhead["ratio_server_vs_in_process"] == pytest.approx(rates["server"] / rates["in_process"], rel=0.02)
 
 
 # -- helpers ----------------------------------------------------------------------------------------

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 
 import pytest
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from conftest import EOS, VOCAB, make_target
+from conftest import EOS, VOCAB, edited_copy, make_target
 from builder.quantize import quantize_target
 from dflash_runtime import DFlashError, load_target
 from dflash_runtime.checkpoint import read_safetensors
@@ -218,16 +217,13 @@ def test_disk_full_during_export_leaves_no_half_written_checkpoint(target, tmp_p
 
 
 def _edited_copy(src, dst, quant_config=None, edit_state=None):
-    shutil.copytree(src, dst)
+    """A copy whose quantization is described by `quant_config` in config.json alone, if given."""
+    def edit(config):
+        config.update(quant_config)
+
+    dst = edited_copy(src, dst, edit if quant_config is not None else None, edit_state)
     if quant_config is not None:
         (dst / "hf_quant_config.json").unlink()
-        config = json.loads((dst / "config.json").read_text())
-        config.update(quant_config)
-        (dst / "config.json").write_text(json.dumps(config))
-    if edit_state:
-        state = load_file(str(dst / "model.safetensors"))
-        edit_state(state)
-        save_file(state, str(dst / "model.safetensors"))
     return dst
 
 
