@@ -165,8 +165,16 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._reap_group()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
         return self.process.returncode
+
+    def _reap_group(self) -> None:
+        """Python backend stubs left behind when tritonserver exits past its exit timeout."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
@@ -204,13 +212,16 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
                f"--metrics-port={ports['metrics']}", "--allow-metrics=true",
                f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--log-verbose={log_verbose}"]
     log = open(log_path, "ab") if log_path else None
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
+    # its own process group: backend stubs orphaned by an abrupt exit are reaped with the group
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
+                               start_new_session=True)
     server = TritonServer(process, ports, log_path, runtime, drain_seconds)
     try:
         server.wait_ready(ready_timeout)
     except BaseException:  # also SIGINT/SIGTERM while models load: never leave tritonserver behind
         process.kill()
         process.wait()
+        server._reap_group()
         shutil.rmtree(runtime, ignore_errors=True)
         raise
     return server

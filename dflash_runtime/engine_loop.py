@@ -20,6 +20,9 @@ from .sequence import Sequence
 from .text import token_window
 
 
+CANCEL_CHECK_SECONDS = 0.25
+
+
 class QueueFull(DFlashError):
     """The server is at capacity: retrying later can succeed (unlike other DFlashErrors)."""
 
@@ -78,6 +81,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._drain_deadline: float | None = None
+        self._next_cancel_check = 0.0
         self._thread = threading.Thread(target=self._run, name="dflash-engine-loop", daemon=True)
         self._thread.start()
 
@@ -152,6 +156,12 @@ class EngineLoop:
         return ready, self._report(outputs, cancelled)
 
     def _drop_cancelled(self) -> int:
+        # asking a server whether a request was cancelled can be a round trip to another process:
+        # a few times a second frees slots soon enough without taxing every step
+        now = time.monotonic()
+        if now < self._next_cancel_check:
+            return 0
+        self._next_cancel_check = now + CANCEL_CHECK_SECONDS
         cancelled = [r for r in self._requests.values() if _is_cancelled(r)]
         self._abort(cancelled, "request cancelled")
         return len(cancelled)

@@ -8,6 +8,7 @@ import pytest
 from conftest import PROMPTS, load_pair
 from dflash_runtime import SamplingParams
 from dflash_runtime.config import DFlashError
+from dflash_runtime import engine_loop
 from dflash_runtime.engine_loop import EngineLoop, QueueFull
 
 
@@ -74,7 +75,8 @@ def test_non_streaming_request_gets_one_complete_chunk(tiny):
         loop.stop()
 
 
-def test_cancelled_request_frees_its_slot_and_others_continue(tiny):
+def test_cancelled_request_frees_its_slot_and_others_continue(tiny, monkeypatch):
+    monkeypatch.setattr(engine_loop, "CANCEL_CHECK_SECONDS", 0.0)  # tiny models finish within one interval
     engine, loop = _loop(tiny)
     reports = []
     loop.on_step = reports.append

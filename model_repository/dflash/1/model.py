@@ -5,6 +5,7 @@ the loop's chunks -> response tensors and metrics. Scheduling, batching and deco
 dflash_runtime (engine_loop, engine), tested without Triton.
 """
 import json
+import queue
 import threading
 import time
 
@@ -32,7 +33,7 @@ class TritonPythonModel:
         engine = pipeline.engine(block_size=int(params["block_size"]), max_batch_size=max_batch_size,
                                  max_context=int(params["max_context"]))
         self.metrics = EngineMetrics(args["model_name"], args["model_version"], engine.block_size)
-        self.loop = EngineLoop(engine, int(params["max_queue_size"]), on_step=self.metrics.record)
+        self.loop = EngineLoop(engine, int(params["max_queue_size"]), on_step=self.metrics.reports.put)
         drain = drain_signal()
         if drain is not None:
             threading.Thread(target=self._drain_on_signal, args=drain, daemon=True).start()
@@ -114,6 +115,13 @@ class EngineMetrics:
         self.active = family("dflash_active_sequences", "Sequences in the running batch", G)
         self.queued = family("dflash_queued_sequences", "Requests waiting for a batch slot", G)
         self.kv_cache = family("dflash_kv_cache_utilization", "Committed tokens / KV-cache token capacity", G)
+        # each metric update is a round trip to the server process: off the decoding thread
+        self.reports = queue.SimpleQueue()
+        threading.Thread(target=self._record_reports, daemon=True).start()
+
+    def _record_reports(self):
+        while True:
+            self.record(self.reports.get())
 
     def record(self, report):
         for length in report.acceptance_lengths:
