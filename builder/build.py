@@ -68,6 +68,7 @@ class BuildOptions:
 class Inputs:
     target_dir: Path
     drafter_dir: Path | None
+    drafter: DrafterConfig | None
     preset: str | None
     block_size: int
     max_context: int
@@ -101,6 +102,7 @@ def resolve_inputs(opts: BuildOptions) -> Inputs:
         drafter_dir = resolve_checkpoint(drafter_ref)
     target_config = TargetConfig.from_dir(target_dir)
     block_size = opts.block_size or 1
+    drafter_config = None
     if drafter_dir is not None:
         drafter_config = DrafterConfig.from_dir(drafter_dir)
         drafter_config.check_against(target_config, str(drafter_dir))
@@ -110,7 +112,7 @@ def resolve_inputs(opts: BuildOptions) -> Inputs:
     elif block_size != 1:
         raise DFlashError(f"--block-size {block_size} needs a drafter")
     max_context = opts.max_context or (preset.max_context if preset else 2048)
-    return Inputs(target_dir, drafter_dir, preset.name if preset else None, block_size, max_context)
+    return Inputs(target_dir, drafter_dir, drafter_config, preset.name if preset else None, block_size, max_context)
 
 
 def file_hashes(folder: Path) -> dict[str, str]:
@@ -289,9 +291,9 @@ def write_trtllm_artifacts(stage: Path, output: Path, inputs: Inputs, opts: Buil
     from builder.trtllm import (TrtllmOptions, llm_api_options, render_trtllm_repository, serve_command,
                                 validate_llm_args, write_extra_llm_api_options)
 
-    if inputs.drafter_dir is None:
+    drafter = inputs.drafter
+    if drafter is None:
         raise DFlashError("--runtime trtllm serves DFlash: it needs a drafter")
-    drafter = DrafterConfig.from_dir(inputs.drafter_dir)
     options = llm_api_options(
         drafter=output / DRAFTER_DIR, block_size=inputs.block_size,
         options=TrtllmOptions(tensor_parallel_size=opts.tensor_parallel_size,
