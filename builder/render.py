@@ -13,8 +13,9 @@ from pathlib import Path
 from dflash_runtime.config import DFlashError
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
-# The PyTorch-runtime repository: what each user request flows through, in order.
-TORCH_MODELS = ("preprocessing", "dflash", "postprocessing", "ensemble")
+# The PyTorch-runtime repository: what each user request flows through, in order, and the two front
+# models over them (dflash_bls: the ensemble's pipeline, cancellable).
+TORCH_MODELS = ("preprocessing", "dflash", "postprocessing", "ensemble", "dflash_bls")
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
 
 

@@ -2,14 +2,17 @@
 
 Recipe (DFlash paper, adapted to CPU economics):
 - Data: ShareGPT conversations (train split, see dflash_runtime.prompts) rendered with the target's
-  chat template. The frozen target runs ONE prefill per batch; its argmax at each position is the
-  label (self-distillation: exact for block position 1, along the text's path for later ones), and
-  its hidden states after `target_layer_ids` are the context features. A prefill costs a fraction of
-  generating the target's own responses, and every step sees fresh data, so nothing overfits.
+  chat template, or (--responses) the target's own greedy responses made by drafter_data.py. The
+  frozen target runs ONE prefill per batch; its next-token distribution at each position is the
+  label (self-distillation: exact for block position 1, along the text's path for later ones; on
+  the target's own responses the path is the one it takes when decoding, so every position is
+  exact), and its hidden states after `target_layer_ids` are the context features.
 - Blocks: random anchor positions per sequence; block = [token at anchor, MASK, ...]; the block
   sees the context features of positions before the anchor (KV injection) and itself (non-causal).
   Many anchors share one forward through an attention mask.
-- Loss: cross-entropy through the target's frozen LM head at block positions 1..S-1, weighted
+- Loss: KL divergence from the target's distribution to the draft's (through the target's frozen LM
+  head) at block positions 1..S-1: logit distillation, ModelOpt's default (--hard-labels: cross-
+  entropy against the target's argmax), weighted
   exp(-(k-1)/decay) (the paper's exponential position decay).
 - Draft layers start as copies of the target's top layers (q_norm/k_norm at identity).
 
@@ -41,6 +44,8 @@ from dflash_runtime.prompts import sharegpt_conversations  # noqa: E402
 from dflash_runtime.sampling import SamplingParams  # noqa: E402
 from dflash_runtime.target import TargetModel  # noqa: E402
 
+from builder.drafter_data import read_responses, training_sequence  # noqa: E402
+
 
 def spread_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
     """Evenly spaced target layers from the second to the last (z-lab's choice for Qwen3-8B: 1, 9, 17, 25, 33)."""
@@ -70,8 +75,15 @@ def new_drafter(target: TargetModel, num_layers: int, block_size: int, mask_toke
     return drafter
 
 
-def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0):
-    """Token id lists of chat-formatted ShareGPT (prompt, reply) pairs, at most seq_len tokens each."""
+def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0, responses: str | None = None):
+    """Token id lists of at most seq_len tokens: chat-formatted ShareGPT (prompt, reply) pairs, or
+    the target's own responses from a drafter_data.py directory (re-read every epoch: it may grow)."""
+    if responses:
+        eos = pipe.target.config.eos_token_ids[0]
+        for record in read_responses(responses)[skip:]:
+            ids = training_sequence(record, eos)[:seq_len]
+            yield ids if len(ids) >= 32 else None
+        return
     for prompt, reply in itertools.islice(sharegpt_conversations("train"), skip, None):
         ids = pipe.encode(prompt)
         reply_ids = pipe.tokenizer.encode(reply, add_special_tokens=False)
@@ -83,17 +95,20 @@ def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0):
 _END = object()
 
 
-def training_batches(pipe: Pipeline, seq_len: int, batch_size: int, skip: int = 0):
+def training_batches(pipe: Pipeline, seq_len: int, batch_size: int, skip: int = 0, responses: str | None = None):
     """Endless batches of training sequences, each with the data cursor (texts read in this epoch)."""
-    cursor, texts, batch = skip, training_texts(pipe, seq_len, skip), []
+    cursor, texts, batch, used = skip, training_texts(pipe, seq_len, skip, responses), [], 0
     while True:
         ids = next(texts, _END)
         if ids is _END:  # next epoch
-            cursor, texts = 0, training_texts(pipe, seq_len)
+            if not used and skip == 0:  # a whole epoch gave nothing
+                raise DFlashError("no training sequences of at least 32 tokens")
+            cursor, skip, used, texts = 0, 0, 0, training_texts(pipe, seq_len, 0, responses)
             continue
         cursor += 1
         if ids is not None:
             batch.append(ids)
+            used += 1
         if len(batch) == batch_size:
             yield batch, cursor
             batch = []
@@ -138,6 +153,43 @@ def target_features(target: TargetModel, batch: list[list[int]], layer_ids: tupl
     return tokens, features, final
 
 
+def cached_features(target: TargetModel, batches, layer_ids: tuple[int, ...], num_tokens: int, path: Path) -> list:
+    """Target features of the first `num_tokens` training tokens, computed once and kept in `path`.
+
+    Per sequence: (token ids, features [T, N*H], final hidden states [T, H]) in bf16. Training then
+    draws batches from them: the prefill was most of a step's time (measured ~5 s of ~5.5 s at batch 4,
+    one thread), so many more steps fit in the same CPU time, at the price of repeating the data.
+    """
+    if path.is_file():
+        return torch.load(path, weights_only=False)
+    from tqdm import tqdm
+
+    sequences, bar = [], tqdm(total=num_tokens, desc="cache target features", unit="tok")
+    while bar.n < num_tokens:
+        batch, _ = next(batches)
+        tokens, features, final = target_features(target, batch, layer_ids)
+        for i, ids in enumerate(batch):
+            n = len(ids)
+            sequences.append((tokens[i, :n].clone(), features[i, :n].bfloat16(), final[i, :n].bfloat16()))
+            bar.update(n)
+    bar.close()
+    torch.save(sequences, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    return sequences
+
+
+def sample_batch(sequences: list, batch_size: int, generator: torch.Generator):
+    """A random batch from cached features, right-padded like target_features' output."""
+    picked = [sequences[i] for i in torch.randint(len(sequences), (batch_size,), generator=generator).tolist()]
+    T = max(len(ids) for ids, _, _ in picked)
+    tokens = torch.zeros(batch_size, T, dtype=torch.long)
+    features = torch.zeros(batch_size, T, picked[0][1].shape[-1])
+    final = torch.zeros(batch_size, T, picked[0][2].shape[-1])
+    for i, (ids, feats, last) in enumerate(picked):
+        tokens[i, :len(ids)], features[i, :len(ids)], final[i, :len(ids)] = ids, feats, last
+    return [ids.tolist() for ids, _, _ in picked], (tokens, features, final)
+
+
 def drafter_hidden(drafter: DFlashDrafter, target: TargetModel, tokens, features, anchors, block_size: int):
     """Draft hidden states for many blocks at once. anchors: [B, A] -> hidden [B, A*S, H]."""
     B, T = tokens.shape
@@ -162,11 +214,13 @@ def drafter_hidden(drafter: DFlashDrafter, target: TargetModel, tokens, features
 
 
 def block_loss(drafter, target, tokens, features, final, lengths, block_size, anchors_per_seq, decay, generator,
-               vocab_subset: torch.Tensor | None = None):
+               vocab_subset: torch.Tensor | None = None, soft_labels: bool = False):
     """Weighted CE over block positions 1..S-1 and per-position accuracy (correct, counted).
 
     vocab_subset: train the softmax over these ids plus the batch's labels instead of the whole
     vocabulary (the head is frozen and shared; evaluation always uses the whole vocabulary).
+    soft_labels: match the target's distribution (over the same ids, KL divergence) instead of its
+    argmax; the accuracy still counts argmax agreement, which is what greedy acceptance needs.
     """
     S = block_size
     anchors = torch.stack([
@@ -178,15 +232,21 @@ def block_loss(drafter, target, tokens, features, final, lengths, block_size, an
     valid = label_pos < torch.tensor(lengths)[:, None, None] - 1
     rows = torch.arange(len(lengths))[:, None, None].expand_as(label_pos)[valid]
     with torch.no_grad():
-        target_ids = target.lm_head(final[rows, label_pos[valid]]).argmax(-1)
+        target_logits = target.lm_head(final[rows, label_pos[valid]])
+        target_ids = target_logits.argmax(-1)
     head = target.lm_head.weight
     if vocab_subset is not None:
         ids = torch.unique(torch.cat([vocab_subset, target_ids]))
-        head = head[ids]
+        head, target_logits = head[ids], target_logits[:, ids]
         target_ids = torch.searchsorted(ids, target_ids)
     logits = hidden[:, :, 1:][valid] @ head.T
     weights = torch.exp(-(k - 1) / decay).expand_as(label_pos)[valid]
-    loss = (F.cross_entropy(logits, target_ids, reduction="none") * weights).sum() / weights.sum()
+    if soft_labels:  # KL(target || draft): the soft cross-entropy's gradient, 0 when the draft matches
+        per_token = F.kl_div(logits.log_softmax(-1), target_logits.log_softmax(-1), reduction="none",
+                             log_target=True).sum(-1)
+    else:
+        per_token = F.cross_entropy(logits, target_ids, reduction="none")
+    loss = (per_token * weights).sum() / weights.sum()
     hits = (logits.argmax(-1) == target_ids)
     position = k.expand_as(label_pos)[valid] - 1
     correct = torch.zeros(S - 1).index_add_(0, position, hits.float())
@@ -232,21 +292,29 @@ def train(args: argparse.Namespace) -> None:
         ((p, r) for p, r in sharegpt_conversations("heldout") if len(p) < 300), args.tau_prompts)]
     held_feats = target_features(target, heldout, layer_ids)
     vocab_subset = frequent_tokens(pipe, args.train_vocab) if args.train_vocab else None
-    batches = training_batches(pipe, args.seq_len, args.batch_size, skip=seen_texts)
+    batches = training_batches(pipe, args.seq_len, args.batch_size, seen_texts, args.responses)
+    cache = None
+    if args.feature_cache:
+        cache = cached_features(target, training_batches(pipe, args.seq_len, 8, 0, args.responses), layer_ids,
+                                args.feature_cache, out / "features.pt")
     curve = (out / "learning_curve.jsonl").open("a")
     started, session_start = time.process_time(), time.time()
     from tqdm import tqdm
 
     bar = tqdm(total=args.steps, initial=step, desc="train drafter", unit="step")
     while step < args.steps and (time.time() - session_start) / 60 < args.max_minutes:
-        batch, seen_texts = next(batches)
-        tokens, features, final = target_features(target, batch, layer_ids)
+        if cache is None:
+            batch, seen_texts = next(batches)
+            tokens, features, final = target_features(target, batch, layer_ids)
+        else:
+            batch, (tokens, features, final) = sample_batch(cache, args.batch_size, rng)
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr
         drafter.train()
         loss, correct, counted = block_loss(drafter, target, tokens, features, final, [len(b) for b in batch],
-                                            args.block_size, args.anchors, args.decay, rng, vocab_subset)
+                                            args.block_size, args.anchors, args.decay, rng, vocab_subset,
+                                            soft_labels=not args.hard_labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -331,9 +399,10 @@ def plot_learning_curve(curve_path: Path, png_path: Path) -> None:
     tau.legend()
     acc.plot(tokens, [r["heldout_accuracy_by_position"][0] for r in records], marker=".", label="block position 1")
     acc.plot(tokens, [r["heldout_accuracy_by_position"][-1] for r in records], marker=".", label="last position")
-    top = acc.twiny()
-    top.set_xlim(records[0]["cpu_hours"], records[-1]["cpu_hours"])
-    top.set_xlabel("CPU hours")
+    if records[-1]["cpu_hours"] > records[0]["cpu_hours"]:
+        top = acc.twiny()
+        top.set_xlim(records[0]["cpu_hours"], records[-1]["cpu_hours"])
+        top.set_xlabel("CPU hours")
     acc.set(xlabel="training tokens (millions)", ylabel="held-out accuracy", ylim=(0, 1))
     acc.legend()
     fig.tight_layout()
@@ -353,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="preset name or HF checkpoint directory")
     p.add_argument("--output", required=True, help="directory for checkpoint.pt, learning_curve.jsonl and drafter/")
+    p.add_argument("--responses", help="train on the target's own responses in this drafter_data.py directory "
+                   "(default: ShareGPT replies)")
+    p.add_argument("--feature-cache", type=int, default=0, metavar="TOKENS",
+                   help="compute the target's features of this many training tokens once (kept in the output "
+                   "directory) and draw every batch from them; 0 = a fresh prefill per step")
+    p.add_argument("--hard-labels", action="store_true", help="the target's argmax as label, not its softmax")
     p.add_argument("--init", help="start from this exported drafter's weights (its config fixes the architecture)")
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--block-size", type=int, default=16)

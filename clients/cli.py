@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="dflash-client", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
-        description="Generate text with a DFlash Triton server (model `ensemble`), check its health.")
+        description="Generate text with a DFlash Triton server (model `dflash_bls`), check its health.")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser(
         "generate", parents=[connection, sampling], help="answer one prompt, streamed to stdout",
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "takes one user message, not a conversation.")
     chat.add_argument("--prompt", help="answer this one message and exit")
     health = commands.add_parser("health", parents=[connection], help="exit 0 only when the server is ready",
-                                 description="Check that the server is live and the `ensemble` model is ready.")
+                                 description="Check that the server is live and the `dflash_bls` model is ready.")
     health.add_argument("--wait", type=float, default=0, metavar="SECONDS",
                         help="poll until ready for up to SECONDS (default: check once)")
     return parser

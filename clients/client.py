@@ -41,7 +41,7 @@ class RetryPolicy:
 
 
 class AsyncDFlashClient:
-    """Generate text with a DFlash Triton server (`ensemble` model).
+    """Generate text with a DFlash Triton server (its `dflash_bls` model).
 
     url: HOST:PORT of the server's gRPC (default) or HTTP endpoint. timeout: the default per-request
     limit in seconds (None = none), for the whole request including retries.

@@ -1,7 +1,7 @@
 """Exceptions raised by the clients, and how a server's error message maps to one of them.
 
 The server's error codes do not survive the trip: a Triton gRPC stream carries an error as a bare
-message (no status code), and through the ensemble an HTTP request reports a full queue as 400 like a
+message (no status code), and through an ensemble an HTTP request reports a full queue as 400 like a
 bad parameter. So the retryable failures are recognised by the phrases the DFlash engine loop uses
 (`dflash_runtime/engine_loop.py`, `QueueFull`), kept here in one place.
 """

@@ -1,7 +1,7 @@
-"""The two ways to reach the `ensemble` model: gRPC streaming and HTTP generate / generate_stream.
+"""The two ways to reach the server's front model: gRPC streaming and HTTP generate / generate_stream.
 
 Both turn one request into an async iterator of `Response`s (one per server response) and every
-failure into an exception from `errors`. The ensemble is decoupled, so gRPC must use the streaming
+failure into an exception from `errors`. The front model is decoupled, so gRPC must use the streaming
 RPC even for one response, and HTTP must use the generate extension (the plain infer endpoint
 refuses decoupled models); tritonclient's HTTP client has no generate call, so aiohttp (which
 tritonclient's asyncio HTTP client is built on) posts it. Health checks go through tritonclient.
@@ -24,10 +24,12 @@ from .params import GenerationParams
 from .results import Health, SpeculationStats
 
 Protocol = Literal["grpc", "http"]
-MODEL = "ensemble"
+# dflash_bls: the ensemble's pipeline and tensors, and a cancelled stream frees its slot at once (an
+# ensemble would decode on; see model_repository/dflash_bls)
+MODEL = "dflash_bls"
 HEALTH_TIMEOUT_S = 5.0
 
-# The ensemble's input tensors: numpy dtype, Triton dtype (tensorrtllm_backend's names).
+# The front model's input tensors: numpy dtype, Triton dtype (tensorrtllm_backend's names).
 INPUT_TYPES = {
     "text_input": (np.object_, "BYTES"),
     "max_tokens": (np.int32, "INT32"),
@@ -77,7 +79,7 @@ class Request:
     stream: bool  # one response per accepted group of tokens (text deltas), else one response
 
     def fields(self) -> dict[str, object]:
-        """The ensemble's inputs by name; optional ones only when set."""
+        """The front model's inputs by name; optional ones only when set."""
         p = self.params
         fields = {"text_input": self.text, "max_tokens": p.max_tokens, "stream": self.stream,
                   "apply_chat_template": self.apply_chat_template, "temperature": p.temperature,

@@ -38,12 +38,16 @@ class Collector:
         return ids
 
 
-def _loop(tiny, **kwargs):
-    target, drafter = load_pair(tiny)
+def _engine(tiny):
     from dflash_runtime import SpeculativeEngine
 
-    engine = SpeculativeEngine(target, drafter, max_batch_size=2, max_context=256)
-    return engine, EngineLoop(engine, **kwargs)
+    target, drafter = load_pair(tiny)
+    return SpeculativeEngine(target, drafter, max_batch_size=2, max_context=256)
+
+
+def _loop(tiny, **kwargs):
+    engine = _engine(tiny)
+    return engine, EngineLoop(lambda: engine, **kwargs)
 
 
 def test_streamed_chunks_rebuild_the_solo_output(tiny):
@@ -136,3 +140,24 @@ def test_a_request_that_ends_in_its_first_step_is_sent_once(tiny):
         assert stream.done.wait(30) and stream.output_ids()  # the loop is still alive
     finally:
         loop.stop()
+
+
+
+def test_the_engine_is_built_on_the_loop_thread_and_load_errors_reach_the_caller(tiny):
+    built_on = []
+
+    def make_engine():
+        built_on.append(threading.current_thread())
+        return _engine(tiny)
+
+    loop = EngineLoop(make_engine)
+    try:
+        assert built_on == [loop._thread] and loop.engine.block_size > 1
+    finally:
+        loop.stop()
+
+    def broken():
+        raise DFlashError("no such checkpoint")
+
+    with pytest.raises(DFlashError, match="no such checkpoint"):
+        EngineLoop(broken)

@@ -1,7 +1,8 @@
 """The real tritonserver on the built embedded default, called the way existing Triton LLM clients do.
 
 Raw tritonclient calls on purpose: the ensemble must work for clients that know only
-tensorrtllm_backend's tensor names.
+tensorrtllm_backend's tensor names. `dflash_bls` has the same tensors and must behave the same, and
+unlike the ensemble it passes a client's cancellation on.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Wh
              "How many legs does a spider have?"]
 TYPES = {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
          np.dtype(bool): "BOOL", np.dtype(np.uint64): "UINT64"}
+FRONT_MODELS = ("ensemble", "dflash_bls")
 
 
 def inputs(**values) -> list:
@@ -68,10 +70,10 @@ class Stream:
         self.client.stop_stream(cancel_requests=cancel)
 
 
-def streamed_text(url: str, question: str, max_tokens: int, **params) -> tuple[str, list]:
+def streamed_text(url: str, question: str, max_tokens: int, model: str = "ensemble", **params) -> tuple[str, list]:
     stream = Stream(url)
     try:
-        stream.send(text_input=question, max_tokens=max_tokens, stream=True, apply_chat_template=True, **params)
+        stream.send(model, text_input=question, max_tokens=max_tokens, stream=True, apply_chat_template=True, **params)
         results, error = stream.collect()
     finally:
         stream.close()
@@ -106,9 +108,10 @@ def in_process(default_build):
     return expected
 
 
-def test_grpc_stream_and_http_generate_equal_in_process_greedy(default_server, in_process):
+@pytest.mark.parametrize("model", FRONT_MODELS)
+def test_grpc_stream_and_http_generate_equal_in_process_greedy(default_server, in_process, model):
     question = QUESTIONS[0]
-    text, results = streamed_text(default_server.grpc_url, question, 24)
+    text, results = streamed_text(default_server.grpc_url, question, 24, model)
     assert text == in_process[question] and "Paris" in text
     assert len(results) > 2  # streamed in pieces
     last = results[-1]
@@ -119,7 +122,7 @@ def test_grpc_stream_and_http_generate_equal_in_process_greedy(default_server, i
         1 + last.as_numpy("total_accepted_draft_tokens").item() / steps, rel=1e-5)
 
     body = {"text_input": question, "max_tokens": 24, "apply_chat_template": True}
-    url = f"http://{default_server.http_url}/v2/models/ensemble"
+    url = f"http://{default_server.http_url}/v2/models/{model}"
     generated = requests.post(f"{url}/generate", json=body, timeout=120).json()
     assert generated["text_output"] == in_process[question]
     events = requests.post(f"{url}/generate_stream", json={**body, "stream": True}, timeout=120).text
@@ -127,11 +130,12 @@ def test_grpc_stream_and_http_generate_equal_in_process_greedy(default_server, i
     assert len(pieces) > 2 and "".join(p["text_output"] for p in pieces) == in_process[question]
 
 
-def test_eight_concurrent_streams_each_equal_their_solo_result(default_server, in_process):
+@pytest.mark.parametrize("model", FRONT_MODELS)
+def test_eight_concurrent_streams_each_equal_their_solo_result(default_server, in_process, model):
     texts = {}
 
     def run(question):
-        texts[question] = streamed_text(default_server.grpc_url, question, 24)[0]
+        texts[question] = streamed_text(default_server.grpc_url, question, 24, model)[0]
 
     threads = [threading.Thread(target=run, args=(q,)) for q in QUESTIONS]
     for t in threads:
@@ -141,10 +145,11 @@ def test_eight_concurrent_streams_each_equal_their_solo_result(default_server, i
     assert texts == in_process
 
 
-def test_stream_false_returns_one_complete_response(default_server, in_process):
+@pytest.mark.parametrize("model", FRONT_MODELS)
+def test_stream_false_returns_one_complete_response(default_server, in_process, model):
     stream = Stream(default_server.grpc_url)
     try:
-        stream.send(text_input=QUESTIONS[2], max_tokens=24, stream=False, apply_chat_template=True)
+        stream.send(model, text_input=QUESTIONS[2], max_tokens=24, stream=False, apply_chat_template=True)
         results, error = stream.collect()
     finally:
         stream.close()
@@ -152,23 +157,36 @@ def test_stream_false_returns_one_complete_response(default_server, in_process):
     assert results[0].as_numpy("text_output").item().decode() == in_process[QUESTIONS[2]]
 
 
+def _cancel_mid_stream(server, model: str, max_tokens: int = 1000, **request) -> None:
+    """Start a long stream, cancel it once it runs, and check through metrics that its slot is freed."""
+    cancelled_before = metric(server, "dflash_cancelled_requests_total")
+    stream = Stream(server.grpc_url)
+    stream.send(model, max_tokens=max_tokens, stream=True, end_id=-1, **request)
+    for _ in range(3):  # it is running
+        stream.responses.get(timeout=120)
+    assert wait_for_metric(server, "dflash_active_sequences", 1)
+    stream.close(cancel=True)
+    assert wait_for_metric(server, "dflash_active_sequences", 0, timeout=5)
+    assert metric(server, "dflash_cancelled_requests_total") == cancelled_before + 1
+    assert metric(server, "dflash_kv_cache_utilization") == 0
+
+
 def test_cancelling_mid_stream_frees_the_sequence(default_server, default_build):
-    # Sent to the dflash model itself: tritonserver 2.51 checks an ensemble request's cancellation only
-    # between its steps and does not pass it on to a decoupled step that is still streaming.
     from dflash_runtime.text import encode_prompt, load_tokenizer
 
     prompt = encode_prompt(load_tokenizer(default_build / "target"), "Write a long story about a lighthouse.")
-    cancelled_before = metric(default_server, "dflash_cancelled_requests_total")
-    stream = Stream(default_server.grpc_url)
-    stream.send(model="dflash", input_ids=np.array([prompt], dtype=np.int32), max_tokens=1000, stream=True,
-                end_id=-1)
-    for _ in range(3):  # it is running
-        stream.responses.get(timeout=120)
-    assert wait_for_metric(default_server, "dflash_active_sequences", 1)
-    stream.close(cancel=True)
-    assert wait_for_metric(default_server, "dflash_active_sequences", 0)
-    assert metric(default_server, "dflash_cancelled_requests_total") == cancelled_before + 1
-    assert metric(default_server, "dflash_kv_cache_utilization") == 0
+    _cancel_mid_stream(default_server, "dflash", input_ids=np.array([prompt], dtype=np.int32))
+    # through dflash_bls, which sends dflash a `stop` request for the stream
+    _cancel_mid_stream(default_server, "dflash_bls", text_input="Write a long story about a lighthouse.",
+                       apply_chat_template=True)
+
+
+@pytest.mark.xfail(strict=True, reason="Triton checks an ensemble's cancellation only between its steps, so the "
+                                       "decoupled dflash step decodes on (2.51, measured; the docs say the same "
+                                       "of current versions): dflash_bls is the cancellable front model")
+def test_cancelling_an_ensemble_stream_frees_the_sequence(default_server):
+    # few tokens: the uncancelled request runs on beside the next tests
+    _cancel_mid_stream(default_server, "ensemble", max_tokens=48, text_input="Write a long story about a lighthouse.")
 
 
 def test_metrics_sit_beside_tritons_own(default_server, in_process):
@@ -196,12 +214,13 @@ BAD_REQUESTS = {
 }
 
 
+@pytest.mark.parametrize("model", FRONT_MODELS)
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
-def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(default_server, case):
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(default_server, case, model):
     values, message = BAD_REQUESTS[case]
     stream = Stream(default_server.grpc_url)
     try:
-        stream.send(**values)
+        stream.send(model, **values)
         results, error = stream.collect()
     finally:
         stream.close()

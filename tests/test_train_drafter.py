@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from builder.train_drafter import block_loss, main, new_drafter, target_features
@@ -11,7 +12,8 @@ from dflash_runtime import SamplingParams, SpeculativeEngine, load_target
 from dflash_runtime.pipeline import load_pipeline
 
 
-def test_loss_decreases_on_a_fixed_batch(tiny):
+@pytest.mark.parametrize("soft_labels", [False, True], ids=["argmax labels", "distribution labels"])
+def test_loss_decreases_on_a_fixed_batch(tiny, soft_labels):
     torch.manual_seed(0)
     target = load_target(tiny[0])
     drafter = new_drafter(target, num_layers=1, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=(1, 3))
@@ -23,7 +25,7 @@ def test_loss_decreases_on_a_fixed_batch(tiny):
     for _ in range(60):
         generator = torch.Generator().manual_seed(0)  # the same anchors every step: a fixed batch
         loss, correct, counted = block_loss(drafter, target, tokens, features, final, [len(b) for b in batch],
-                                            BLOCK, 8, 7.0, generator)
+                                            BLOCK, 8, 7.0, generator, soft_labels=soft_labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -62,3 +64,33 @@ def test_trainer_checkpoints_resumes_and_exports_a_lossless_drafter(tmp_path, ca
     params = SamplingParams(max_new_tokens=12)
     assert (pipe.engine(max_batch_size=1).generate([prompt], params)[0].output_ids
             == pipe.engine(block_size=1, max_batch_size=1).generate([prompt], params)[0].output_ids)
+
+
+def test_target_responses_are_its_greedy_output_resume_and_train_a_drafter(tmp_path):
+    """drafter_data.py on the embedded default: greedy responses, appended and resumed; the trainer reads them."""
+    from builder import drafter_data
+
+    data = tmp_path / "data"
+    common = ["--output", str(data), "--max-new-tokens", "6", "--batch-size", "2", "--max-prompt-tokens", "64"]
+    assert drafter_data.main(common + ["--num-prompts", "3"]) == 0
+    assert drafter_data.main(common + ["--num-prompts", "1"]) == 0  # resumes after the last index
+    records = drafter_data.read_responses(data)
+    indices = [r["index"] for r in records]
+    assert len(records) == 4 and sorted(indices[:3]) == indices[:3] and indices[3] > max(indices[:3])
+    pipe = load_pipeline("smollm2-135m", drafter=None)
+    first = sorted(records, key=lambda r: r["index"])[0]
+    greedy = pipe.engine(block_size=1, max_batch_size=1).generate([first["prompt_ids"]], SamplingParams(max_new_tokens=6))
+    assert first["response_ids"] == greedy[0].output_ids and first["finish_reason"] == greedy[0].finish_reason
+    (data / drafter_data.RESPONSES_FILE).open("a").write('{"index": 99, "prompt_ids": [1, 2')  # a killed writer
+    assert len(drafter_data.read_responses(data)) == 4
+
+    out = tmp_path / "run"
+    assert main(["--target", "smollm2-135m", "--output", str(out), "--responses", str(data), "--draft-layers", "1",
+                 "--batch-size", "2", "--seq-len", "64", "--anchors", "2", "--steps", "1", "--eval-every", "1",
+                 "--train-vocab", "512", "--tau-prompts", "1", "--feature-cache", "100"]) == 0
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["seen_tokens"] > 0
+    cached = torch.load(out / "features.pt", weights_only=False)
+    assert sum(len(ids) for ids, _, _ in cached) >= 100
+    ids, features, final = cached[0]
+    assert ids.tolist() == drafter_data.training_sequence(records[0], pipe.target.config.eos_token_ids[0])[:64]
+    assert features.shape == (len(ids), 5 * 576) and final.shape == (len(ids), 576)

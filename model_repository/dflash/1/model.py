@@ -26,14 +26,19 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         drafter = params["drafter_dir"]
-        pipeline = load_pipeline(str(artifact_path(args, params["target_dir"])),
-                                 str(artifact_path(args, drafter)) if drafter else None,
-                                 dtype=params["dtype"], device=params["device"])
         max_batch_size = int(json.loads(args["model_config"])["max_batch_size"])
-        engine = pipeline.engine(block_size=int(params["block_size"]), max_batch_size=max_batch_size,
-                                 max_context=int(params["max_context"]))
-        self.metrics = EngineMetrics(args["model_name"], args["model_version"], engine.block_size)
-        self.loop = EngineLoop(engine, int(params["max_queue_size"]), on_step=self.metrics.reports.put)
+
+        def make_engine():  # on the loop's thread: this thread must stay free of torch work
+            pipeline = load_pipeline(str(artifact_path(args, params["target_dir"])),
+                                     str(artifact_path(args, drafter)) if drafter else None,
+                                     dtype=params["dtype"], device=params["device"])
+            return pipeline.engine(block_size=int(params["block_size"]), max_batch_size=max_batch_size,
+                                   max_context=int(params["max_context"]))
+
+        reports = queue.SimpleQueue()
+        self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put)
+        self.metrics = EngineMetrics(args["model_name"], args["model_version"], self.loop.engine.block_size, reports)
+        self.in_flight = {}  # request id -> TritonStream, for `stop` requests
         drain = drain_signal()
         if drain is not None:
             threading.Thread(target=self._drain_on_signal, args=drain, daemon=True).start()
@@ -45,7 +50,10 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            stream = TritonStream(request)
+            if _is_stop(request):
+                self._stop(request)
+                continue
+            stream = TritonStream(request, self.in_flight)
             try:
                 prompt_ids, params, streaming = _parse(request)
                 self.loop.submit(prompt_ids, params, stream, streaming)
@@ -55,6 +63,13 @@ class TritonPythonModel:
                 stream.fail(str(e), pb_utils.TritonError.INVALID_ARG)
         return None
 
+    def _stop(self, request):
+        """Cancel the in-flight request with this request's id (if any): the loop drops it soon after."""
+        stream = self.in_flight.get(request.request_id())
+        if stream is not None:
+            stream.stopped = True
+        request.get_response_sender().send(flags=FINAL)
+
     def finalize(self):
         self.loop.stop("the server is shutting down; the request was aborted")
 
@@ -62,8 +77,12 @@ class TritonPythonModel:
 class TritonStream:
     """The engine loop's view of one request: send chunks, fail, ask whether it was cancelled."""
 
-    def __init__(self, request):
+    def __init__(self, request, in_flight):
         self.sender = request.get_response_sender()
+        self.stopped = False
+        self.request_id, self.in_flight = request.request_id(), in_flight
+        if self.request_id:
+            in_flight[self.request_id] = self
 
     def send(self, chunk):
         stats = chunk.stats
@@ -81,20 +100,27 @@ class TritonStream:
             "mean_acceptance_length": np.array([[stats.mean_acceptance_length]], dtype=np.float32),
         }
         response = pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in tensors.items()])
+        if chunk.finished:
+            self._forget()
         self.sender.send(response, flags=FINAL if chunk.finished else 0)
 
     def fail(self, message, code=None):
+        self._forget()
         error = pb_utils.TritonError(message, code if code is not None else pb_utils.TritonError.INTERNAL)
         self.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
 
     def is_cancelled(self):
-        return self.sender.is_cancelled()
+        return self.stopped or self.sender.is_cancelled()
+
+    def _forget(self):
+        if self.request_id and self.in_flight.get(self.request_id) is self:
+            del self.in_flight[self.request_id]
 
 
 class EngineMetrics:
     """dflash_* metrics on Triton's metrics endpoint, beside Triton's own nv_* metrics."""
 
-    def __init__(self, model, version, block_size):
+    def __init__(self, model, version, block_size, reports):
         labels = {"model": model, "version": str(version)}
         self.families = []  # a MetricFamily must outlive its Metric objects
 
@@ -116,12 +142,11 @@ class EngineMetrics:
         self.queued = family("dflash_queued_sequences", "Requests waiting for a batch slot", G)
         self.kv_cache = family("dflash_kv_cache_utilization", "Committed tokens / KV-cache token capacity", G)
         # each metric update is a round trip to the server process: off the decoding thread
-        self.reports = queue.SimpleQueue()
-        threading.Thread(target=self._record_reports, daemon=True).start()
+        threading.Thread(target=self._record_reports, args=(reports,), daemon=True).start()
 
-    def _record_reports(self):
+    def _record_reports(self, reports):
         while True:
-            self.record(self.reports.get())
+            self.record(reports.get())
 
     def record(self, report):
         for length in report.acceptance_lengths:
@@ -170,6 +195,11 @@ def _parse(request):
         stop_strings=tuple(_strings(request, "stop_words")),
     )
     return ids[0].tolist(), params, bool(_scalar(request, "stream", False))
+
+
+def _is_stop(request):
+    stop = _tensor(request, "stop")
+    return stop is not None and stop.size == 1 and bool(stop.item())
 
 
 def _tensor(request, name):
