@@ -211,6 +211,13 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
                f"--http-port={ports['http']}", f"--grpc-port={ports['grpc']}",
                f"--metrics-port={ports['metrics']}", "--allow-metrics=true",
                f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--log-verbose={log_verbose}"]
+    # If this process dies without stopping the server (SIGKILL, OOM), the server gets SIGTERM rather
+    # than living on as an orphan that holds the ports, memory and a core (found once: a killed test
+    # run's server still decoding 50 minutes later). setpriv (util-linux) sets that up before the exec;
+    # the signal follows the thread that starts the server, so start it from one that lives as long.
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        command = [setpriv, "--pdeathsig", "TERM", *command]
     log = open(log_path, "ab") if log_path else None
     # its own process group: backend stubs orphaned by an abrupt exit are reaped with the group
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import queue
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -260,3 +263,26 @@ def test_restart_on_the_same_repository_and_shutdown_with_a_request_in_flight(de
     # no crash: 0, or 1 when tritonserver 2.51 still counts the ensemble request in flight after its
     # decoupled step sent the final error (it then waits out its exit timeout)
     assert server.process.returncode in (0, 1)
+
+
+def test_the_server_does_not_outlive_a_killed_launcher(default_build):
+    launcher = ("import sys, time\nfrom deploy.serve import start_server\n"
+                "server = start_server(sys.argv[1], 0, 0, 0)\nprint(server.process.pid, flush=True)\ntime.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", launcher, str(default_build / "model_repository")],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        pid = int(child.stdout.readline())
+    finally:
+        child.kill()  # no chance to stop the server itself
+        child.wait()
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
