@@ -5,7 +5,7 @@ PIP := $(PY) -m pip -q
 PROMPT ?= Explain in three sentences why the sky is blue.
 BUILD ?= builds/smollm2-135m
 
-.PHONY: install demo test bench train-drafter clean
+.PHONY: install demo test bench drafter-data train-drafter clean
 
 install: $(VENV)/.installed
 
@@ -38,6 +38,9 @@ test: install
 
 bench: install
 	$(VENV)/bin/dflash-bench --num-prompts 4 --max-new-tokens 128
+
+drafter-data: install
+	$(PY) builder/drafter_data.py --output runs/smollm2-135m-responses --max-minutes 60
 
 train-drafter: install
 	$(PY) builder/train_drafter.py --output runs/smollm2-135m-drafter --max-minutes 60

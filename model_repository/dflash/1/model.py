@@ -102,7 +102,11 @@ class TritonStream:
         response = pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in tensors.items()])
         if chunk.finished:
             self._forget()
-        self.sender.send(response, flags=FINAL if chunk.finished else 0)
+        try:
+            self.sender.send(response, flags=FINAL if chunk.finished else 0)
+        except Exception:  # the loop drops a request it cannot send to, without fail(): forget it here
+            self._forget()
+            raise
 
     def fail(self, message, code=None):
         self._forget()
