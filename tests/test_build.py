@@ -13,14 +13,16 @@ from dflash_runtime.config import DFlashError
 
 def test_default_build_is_complete_and_reused(default_build, capsys):
     manifest = json.loads((default_build / "manifest.json").read_text())
-    assert manifest["artifacts"]["models"] == ["dflash", "ensemble", "postprocessing", "preprocessing"]
+    assert manifest["artifacts"]["models"] == ["dflash", "dflash_bls", "ensemble", "postprocessing", "preprocessing"]
     assert manifest["options"]["block_size"] == 16 and manifest["inputs"]["preset"] == "smollm2-135m"
     assert manifest["inputs"]["file_sha256"]["drafter"]["model.safetensors"]
     for name in manifest["artifacts"]["models"]:
         config = parse_model_config(default_build / "model_repository" / name / "config.pbtxt")
         assert config.name == name and config.max_batch_size == 8
+    for name in ("dflash", "dflash_bls"):
+        config = parse_model_config(default_build / "model_repository" / name / "config.pbtxt")
+        assert config.model_transaction_policy.decoupled
     dflash = parse_model_config(default_build / "model_repository" / "dflash" / "config.pbtxt")
-    assert dflash.model_transaction_policy.decoupled
     assert dflash.parameters["drafter_dir"].string_value == "../drafter"  # relative: the build can move
     again = build(BuildOptions(target="smollm2-135m", drafter="preset", max_batch_size=8, sanity_tokens=0),
                   default_build)

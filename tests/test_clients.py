@@ -181,10 +181,13 @@ def test_cancellation_frees_the_server(grpc_client, default_server):
     with grpc_client.stream(STORY, GenerationParams(max_tokens=48)) as stream:
         next(stream)
         stream.cancel()
-    time.sleep(2.0)  # a step or two to notice, a cancellation check to drop it
-    before = _generated_tokens(default_server.metrics_url)
+    deadline = time.monotonic() + 10  # a step or two to notice, a cancellation check to drop it
+    while _metric(default_server.metrics_url, "dflash_active_sequences") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(default_server.metrics_url, "dflash_active_sequences") == 0
+    before = _metric(default_server.metrics_url, "dflash_generated_tokens_total")
     time.sleep(1.5)
-    assert _generated_tokens(default_server.metrics_url) == before
+    assert _metric(default_server.metrics_url, "dflash_generated_tokens_total") == before
 
 
 def test_timeouts(grpc_client, http_client):
@@ -313,7 +316,7 @@ async def _pipe(reader, writer) -> None:
         writer.close()
 
 
-def _generated_tokens(metrics_url: str) -> float:
+def _metric(metrics_url: str, name: str) -> float:
     with urllib.request.urlopen(metrics_url, timeout=5) as response:
         lines = response.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("dflash_generated_tokens_total"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
