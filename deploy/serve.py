@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_runtime.model_args import DRAIN_FILE_ENV, DRAIN_SECONDS_ENV
+from dflash_runtime.model_args import DRAIN_FILE_ENV, DRAIN_SECONDS_ENV, drained_path
 
 # The one source for ports and probe paths: the launcher, the clients' defaults and the Kubernetes
 # manifests all read them from here.
@@ -37,7 +37,9 @@ METRICS_PATH = "/metrics"
 # SIGTERM, after which it waits at most EXIT_TIMEOUT_S for models to unload.
 DRAIN_SECONDS = 30
 EXIT_TIMEOUT_S = 15
-SHUTDOWN_SECONDS = DRAIN_SECONDS + EXIT_TIMEOUT_S  # the most a clean shutdown takes
+DRAIN_SLACK_S = 5  # beyond DRAIN_SECONDS, for the model to end the last requests and say so
+FLUSH_SECONDS = 1.5  # for the last responses to leave before tritonserver closes the connections
+SHUTDOWN_SECONDS = DRAIN_SECONDS + DRAIN_SLACK_S + FLUSH_SECONDS + EXIT_TIMEOUT_S  # the most a clean shutdown takes
 DRAIN_FILE = "draining"
 
 
@@ -138,23 +140,15 @@ class TritonServer:
 
     def shut_down(self) -> None:
         """Drain (requests finish, or end with an error after drain_seconds), then SIGTERM tritonserver."""
-        (self.runtime_dir / DRAIN_FILE).touch()
-        deadline = time.monotonic() + self.drain_seconds + 2  # the model's own deadline, plus a step
-        while time.monotonic() < deadline and self.process.poll() is None and self.sequences_in_flight() != 0:
+        drain_file = self.runtime_dir / DRAIN_FILE
+        drain_file.touch()
+        # the dflash model says when it has no request left; metrics gauges lag behind it
+        deadline = time.monotonic() + self.drain_seconds + DRAIN_SLACK_S
+        while time.monotonic() < deadline and self.process.poll() is None and not drained_path(drain_file).exists():
             time.sleep(0.25)
-        time.sleep(1.5)  # let the last responses leave before tritonserver closes the connections
+        time.sleep(FLUSH_SECONDS)
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-
-    def sequences_in_flight(self) -> int | None:
-        """Running + queued sequences of the dflash model, from its metrics (None when unreadable)."""
-        try:
-            with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
-                lines = r.read().decode().splitlines()
-        except (urllib.error.URLError, OSError):
-            return None
-        gauges = ("dflash_active_sequences{", "dflash_queued_sequences{")
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(gauges)))
 
     def stop(self) -> int:
         """Shut down cleanly; SIGKILL if tritonserver has not exited well after its exit timeout."""

@@ -88,6 +88,7 @@ class EngineLoop:
         self._stopping = False
         self._drain_deadline: float | None = None
         self._next_cancel_check = 0.0
+        self.drained = threading.Event()
         self._started = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="dflash-engine-loop", daemon=True)
@@ -113,7 +114,9 @@ class EngineLoop:
         self._wake.set()
 
     def drain(self, grace_seconds: float) -> None:
-        """Refuse new requests; requests still unfinished after `grace_seconds` get a final error."""
+        """Refuse new requests; requests still unfinished after `grace_seconds` get a final error.
+
+        `drained` is set once no request is left (each has had its final response sent)."""
         with self._lock:
             self._drain_deadline = time.monotonic() + grace_seconds
         self._wake.set()
@@ -150,6 +153,8 @@ class EngineLoop:
                     continue
             for request in ready:
                 self._emit(request)
+            if self._drain_deadline is not None and not self._requests:
+                self.drained.set()
             if self.on_step is not None:
                 try:
                     self.on_step(report)

@@ -29,6 +29,11 @@ def artifact_path(args: dict, value: str) -> Path:
     return path if path.is_absolute() else (Path(args["model_repository"]).parent / path).resolve()
 
 
+def drained_path(drain_file: Path) -> Path:
+    """The file the model creates once draining left it no requests: the launcher may stop the server."""
+    return drain_file.with_name(drain_file.name + ".done")
+
+
 def drain_signal() -> tuple[Path, float] | None:
     """(file whose appearance means "drain", seconds to let requests finish), when launched by dflash-serve."""
     path = os.environ.get(DRAIN_FILE_ENV)

@@ -120,10 +120,11 @@ def test_drain_refuses_new_requests_and_ends_running_ones_with_an_error(tiny):
     stream = Collector()
     try:
         loop.submit(PROMPTS[0], SamplingParams(max_new_tokens=200, ignore_eos=True), stream)
+        assert not loop.drained.is_set()
         loop.drain(0.0)
         with pytest.raises(QueueFull, match="shutting down"):
             loop.submit(PROMPTS[1], SamplingParams(max_new_tokens=5), Collector())
-        assert stream.done.wait(30) and "shutting down" in stream.error
+        assert loop.drained.wait(30) and "shutting down" in stream.error  # drained: the error was sent
         assert not engine.running and len(engine.free_slots) == 2
     finally:
         loop.stop()

@@ -79,7 +79,8 @@ def test_target_responses_are_its_greedy_output_resume_and_train_a_drafter(tmp_p
     assert len(records) == 4 and sorted(indices[:3]) == indices[:3] and indices[3] > max(indices[:3])
     pipe = load_pipeline("smollm2-135m", drafter=None)
     first = sorted(records, key=lambda r: r["index"])[0]
-    greedy = pipe.engine(block_size=1, max_batch_size=1).generate([first["prompt_ids"]], SamplingParams(max_new_tokens=6))
+    engine = pipe.engine(block_size=1, max_batch_size=1)
+    greedy = engine.generate([first["prompt_ids"]], SamplingParams(max_new_tokens=6))
     assert first["response_ids"] == greedy[0].output_ids and first["finish_reason"] == greedy[0].finish_reason
     (data / drafter_data.RESPONSES_FILE).open("a").write('{"index": 99, "prompt_ids": [1, 2')  # a killed writer
     assert len(drafter_data.read_responses(data)) == 4

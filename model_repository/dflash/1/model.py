@@ -14,7 +14,7 @@ import triton_python_backend_utils as pb_utils
 
 from dflash_runtime.config import DFlashError
 from dflash_runtime.engine_loop import EngineLoop, QueueFull
-from dflash_runtime.model_args import artifact_path, drain_signal, model_parameters
+from dflash_runtime.model_args import artifact_path, drain_signal, drained_path, model_parameters
 from dflash_runtime.pipeline import load_pipeline
 from dflash_runtime.sampling import SamplingParams
 
@@ -47,6 +47,8 @@ class TritonPythonModel:
         while not path.exists():
             time.sleep(0.5)
         self.loop.drain(seconds)
+        self.loop.drained.wait()
+        drained_path(path).touch()  # dflash-serve may stop tritonserver now
 
     def execute(self, requests):
         for request in requests:

@@ -33,7 +33,10 @@ def _serve(request):
     except Exception as e:  # a bug must still end the client's stream
         error = pb_utils.TritonError(f"internal error: {type(e).__name__}: {e}")
     if error is not None:
-        sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+        try:
+            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+        except Exception as e:  # the client is gone: nobody left to tell
+            pb_utils.Logger.log_warn(f"dflash_bls: could not send the final error ({e})")
 
 
 def _generate(request, sender):
@@ -51,26 +54,32 @@ def _generate(request, sender):
     texts, last, stopped = [], None, False
     # streamed even when the client asked for one response: a response per step is where
     # cancellation is seen
-    for response in engine.exec(decoupled=True):
-        if not stopped and sender.is_cancelled():
+    try:
+        for response in engine.exec(decoupled=True):
+            if not stopped and sender.is_cancelled():
+                _stop(request_id)
+                stopped = True
+            if response.has_error():
+                return response.error()
+            if not response.output_tensors():  # an empty final flag
+                continue
+            ids = [pb_utils.get_output_tensor_by_name(response, name)
+                   for name in ("output_ids", "read_offset", "finish_reason")]
+            text = _call("postprocessing", ids, ["text_output"])
+            if text.has_error():
+                _stop(request_id)
+                return text.error()
+            delta = pb_utils.get_output_tensor_by_name(text, "text_output").as_numpy().item()
+            finished = bool(pb_utils.get_output_tensor_by_name(response, "finish_reason").as_numpy().item())
+            if streaming:
+                sender.send(_answer(delta, response), flags=FINAL if finished else 0)
+            else:
+                texts.append(delta)
+            last = response
+    except Exception:  # e.g. the client is gone and sending fails: do not leave the engine decoding
+        if not stopped:
             _stop(request_id)
-            stopped = True
-        if response.has_error():
-            return response.error()
-        if not response.output_tensors():  # an empty final flag
-            continue
-        text = _call("postprocessing", [pb_utils.get_output_tensor_by_name(response, name)
-                                        for name in ("output_ids", "read_offset", "finish_reason")], ["text_output"])
-        if text.has_error():
-            _stop(request_id)
-            return text.error()
-        delta = pb_utils.get_output_tensor_by_name(text, "text_output").as_numpy().item()
-        finished = bool(pb_utils.get_output_tensor_by_name(response, "finish_reason").as_numpy().item())
-        if streaming:
-            sender.send(_answer(delta, response), flags=FINAL if finished else 0)
-        else:
-            texts.append(delta)
-        last = response
+        raise
     if last is None:
         return pb_utils.TritonError("dflash ended the stream without an answer")
     if not streaming:
