@@ -9,6 +9,7 @@ see this environment's packages (the stub links the system libpython, not this i
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import signal
@@ -39,7 +40,8 @@ DRAIN_SECONDS = 30
 EXIT_TIMEOUT_S = 15
 DRAIN_SLACK_S = 5  # beyond DRAIN_SECONDS, for the model to end the last requests and say so
 FLUSH_SECONDS = 1.5  # for the last responses to leave before tritonserver closes the connections
-SHUTDOWN_SECONDS = DRAIN_SECONDS + DRAIN_SLACK_S + FLUSH_SECONDS + EXIT_TIMEOUT_S  # the most a clean shutdown takes
+# the most a clean shutdown takes, in whole seconds (Kubernetes' grace period is an integer)
+SHUTDOWN_SECONDS = math.ceil(DRAIN_SECONDS + DRAIN_SLACK_S + FLUSH_SECONDS + EXIT_TIMEOUT_S)
 DRAIN_FILE = "draining"
 
 
