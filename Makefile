@@ -39,11 +39,15 @@ test: install
 bench: install
 	$(VENV)/bin/dflash-bench --num-prompts 4 --max-new-tokens 128
 
+# The shipped drafter's last stages (models/smollm2-135m-dflash/README.md): the target's own answers,
+# features cached once, block 8. Both resume; run drafter-data for longer to get more data.
 drafter-data: install
-	$(PY) builder/drafter_data.py --output runs/smollm2-135m-responses --max-minutes 60
+	$(PY) builder/drafter_data.py --output runs/smollm2-135m-responses --max-minutes 60 --batch-size 48
 
 train-drafter: install
-	$(PY) builder/train_drafter.py --output runs/smollm2-135m-drafter --max-minutes 60
+	$(PY) builder/train_drafter.py --output runs/smollm2-135m-drafter --init models/smollm2-135m-dflash \
+		--responses runs/smollm2-135m-responses --feature-cache 3000000 --block-size 8 --anchors 32 \
+		--batch-size 8 --seq-len 512 --train-vocab 4096 --lr 6e-4 --warmup 50 --decay 4 --max-minutes 60
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -18,11 +18,12 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -346,6 +347,24 @@ def summary(manifest: dict, output: Path) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def drafter_training_args(target: str, train_args: str) -> argparse.Namespace:
+    """builder/train_drafter.py's arguments for --train-drafter: the build's target, and by default
+    the resumable run directory runs/<target>-drafter."""
+    from builder import train_drafter
+
+    parser = train_drafter.build_parser()
+    parser.set_defaults(target=None, output=None)
+    try:
+        args = parser.parse_args(shlex.split(train_args))
+    except SystemExit:  # argparse has printed what is wrong
+        raise DFlashError("--train-drafter: bad arguments for builder/train_drafter.py (see its --help)") from None
+    if args.target is not None:
+        raise DFlashError("--train-drafter trains for the build's --target; leave --target out of its arguments")
+    args.target = target
+    args.output = args.output or str(Path("runs") / f"{Path(target).name}-drafter")
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     presets = "\n".join(f"  {p.name:<20} {p.description}" for p in PRESETS.values())
     parser = argparse.ArgumentParser(
@@ -356,11 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
                "  python builder/build.py                                   # embedded default -> builds/smollm2-135m\n"
                "  python builder/build.py --target smollm2-135m --quant fp8 --output builds/smollm2-fp8\n"
                "  python builder/build.py --target qwen3-8b --dry-run       # print the plan only\n"
-               "  python builder/build.py --target ./my-llama --drafter ./my-drafter --output builds/mine\n\n"
+               "  python builder/build.py --target ./my-llama --drafter ./my-drafter --output builds/mine\n"
+               "  python builder/build.py --target ./my-llama --train-drafter='--max-minutes 600'  # train one first\n\n"
                "runtimes: torch = this project's PyTorch engine (CPU or CUDA). TensorRT-LLM supports DFlash only in "
                "its PyTorch backend (>= 1.3, LLM API); the legacy trtllm-build engine flow has no DFlash.")
     parser.add_argument("--target", default=DEFAULT_PRESET, help=f"preset or HF checkpoint directory (default: {DEFAULT_PRESET})")
     parser.add_argument("--drafter", default="preset", help="drafter directory, 'preset' (default) or 'none'")
+    parser.add_argument("--train-drafter", metavar="ARGS",
+                        help="first train a drafter for the target with builder/train_drafter.py ARGS, then build "
+                             "with it; write --train-drafter='ARGS' (see train_drafter.py --help); resumable in "
+                             "runs/<target>-drafter unless ARGS name an --output")
     parser.add_argument("--output", type=Path, help="build folder (default: builds/<target name>)")
     parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
                         help="torch: this project's engine (CPU/CUDA) behind Triton's Python backend; trtllm: "
@@ -393,9 +417,26 @@ def main(argv: list[str] | None = None) -> int:
                         pipeline_parallel_size=args.pipeline_parallel_size, sanity_tokens=args.sanity_tokens)
     output = args.output or Path("builds") / Path(args.target).name
     try:
+        steps = []
+        if args.train_drafter is not None:
+            if args.drafter != "preset":
+                raise DFlashError("--train-drafter and --drafter both name the drafter")
+            if args.block_size is not None:
+                raise DFlashError("with --train-drafter the trainer sets the block size: --train-drafter='--block-size N ...'")
+            training = drafter_training_args(args.target, args.train_drafter)
+            # everything but the drafter is checked before hours of training
+            resolve_inputs(replace(opts, drafter="none", block_size=None))
+            _check_writable(output.resolve().parent)
+            opts = replace(opts, drafter=str(Path(training.output) / "drafter"))
+            steps.append(f"train a drafter: builder/train_drafter.py, resumable in {training.output}")
         if args.dry_run:
-            print("plan:\n" + "\n".join(f"  {n}. {s}" for n, s in enumerate(plan(resolve_inputs(opts), opts, output), 1)))
+            steps += plan(resolve_inputs(opts), opts, output) if not steps else ["build with the trained drafter"]
+            print("plan:\n" + "\n".join(f"  {n}. {s}" for n, s in enumerate(steps, 1)))
             return 0
+        if steps:
+            from builder.train_drafter import train
+
+            train(training)
         manifest = build(opts, output, force=args.force)
     except DFlashError as e:
         print(f"build.py: error: {e}", file=sys.stderr)

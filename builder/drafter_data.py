@@ -49,10 +49,9 @@ def read_responses(directory: str | Path) -> list[dict]:
     return records
 
 
-def training_sequence(record: dict, eos_token_id: int) -> list[int]:
-    """prompt + response, with the EOS the target emitted when it stopped on its own."""
-    eos = [eos_token_id] if record["finish_reason"] == "stop" else []
-    return record["prompt_ids"] + record["response_ids"] + eos
+def training_sequence(record: dict) -> list[int]:
+    """prompt + response (which ends with the target's EOS when it stopped on its own)."""
+    return record["prompt_ids"] + record["response_ids"]
 
 
 def _prompts(pipe: Pipeline, max_prompt_tokens: int, start: int) -> Iterator[tuple[int, list[int]]]:

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import json
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -76,38 +78,43 @@ def new_drafter(target: TargetModel, num_layers: int, block_size: int, mask_toke
 
 
 def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0, responses: str | None = None):
-    """Token id lists of at most seq_len tokens: chat-formatted ShareGPT (prompt, reply) pairs, or
-    the target's own responses from a drafter_data.py directory (re-read every epoch: it may grow)."""
+    """(token ids, first anchor) of at most seq_len tokens: chat-formatted ShareGPT (prompt, reply)
+    pairs, or the target's own responses from a drafter_data.py directory (re-read every epoch: it
+    may grow). None for a text too short to train on.
+
+    On the target's responses blocks start in the response only, as they do when decoding: the first
+    block's anchor is the first generated token. There every label lies on the target's greedy path;
+    a block anchored in the prompt would be labelled along the user's text instead.
+    """
     if responses:
-        eos = pipe.target.config.eos_token_ids[0]
         for record in read_responses(responses)[skip:]:
-            ids = training_sequence(record, eos)[:seq_len]
-            yield ids if len(ids) >= 32 else None
+            ids, first = training_sequence(record)[:seq_len], max(1, len(record["prompt_ids"]))
+            yield (ids, first) if len(ids) >= 32 and len(ids) - first >= 2 else None
         return
     for prompt, reply in itertools.islice(sharegpt_conversations("train"), skip, None):
         ids = pipe.encode(prompt)
         reply_ids = pipe.tokenizer.encode(reply, add_special_tokens=False)
         eos = pipe.target.config.eos_token_ids[:1]
         ids = (ids + reply_ids + list(eos))[:seq_len]
-        yield ids if len(ids) >= 32 else None
+        yield (ids, 1) if len(ids) >= 32 else None
 
 
 _END = object()
 
 
 def training_batches(pipe: Pipeline, seq_len: int, batch_size: int, skip: int = 0, responses: str | None = None):
-    """Endless batches of training sequences, each with the data cursor (texts read in this epoch)."""
+    """Endless batches of (token ids, first anchor), each with the data cursor (texts read in this epoch)."""
     cursor, texts, batch, used = skip, training_texts(pipe, seq_len, skip, responses), [], 0
     while True:
-        ids = next(texts, _END)
-        if ids is _END:  # next epoch
+        text = next(texts, _END)
+        if text is _END:  # next epoch
             if not used and skip == 0:  # a whole epoch gave nothing
                 raise DFlashError("no training sequences of at least 32 tokens")
             cursor, skip, used, texts = 0, 0, 0, training_texts(pipe, seq_len, 0, responses)
             continue
         cursor += 1
-        if ids is not None:
-            batch.append(ids)
+        if text is not None:
+            batch.append(text)
             used += 1
         if len(batch) == batch_size:
             yield batch, cursor
@@ -115,23 +122,32 @@ def training_batches(pipe: Pipeline, seq_len: int, batch_size: int, skip: int = 
 
 
 def initial_drafter(args: argparse.Namespace, target: TargetModel) -> DFlashDrafter:
-    """A new drafter from the target's top layers, or (--init) an exported drafter to train further."""
+    """A new drafter from the target's top layers, or (--init) an exported drafter to train further.
+
+    --block-size may change an --init drafter's block size: no weight depends on it.
+    """
     if not args.init:
         s = target.config.shape
         layer_ids = tuple(args.target_layer_ids or spread_layer_ids(s.num_layers, args.num_target_features))
-        return new_drafter(target, args.draft_layers, args.block_size, args.mask_token_id, layer_ids)
-    drafter = DFlashDrafter(DrafterConfig.from_dir(Path(args.init)))  # its config fixes the architecture
+        return new_drafter(target, args.draft_layers, args.block_size or 16, args.mask_token_id, layer_ids)
+    config = DrafterConfig.from_dir(Path(args.init))  # its config fixes the architecture
+    drafter = DFlashDrafter(dataclasses.replace(config, block_size=args.block_size or config.block_size))
     drafter.config.check_against(target.config, args.init)
     load_weights(drafter, read_safetensors(Path(args.init)), args.init, torch.float32, "cpu")
     return drafter
 
 
-def frequent_tokens(pipe: Pipeline, count: int, sample: int = 3000) -> torch.Tensor:
-    """The `count` most frequent token ids in the replies of the first `sample` training conversations."""
+def frequent_tokens(pipe: Pipeline, count: int, responses: str | None = None, sample: int = 3000) -> torch.Tensor:
+    """The `count` most frequent token ids in the target's responses (--responses) or else in the
+    replies of the first `sample` training conversations."""
+    if responses:
+        replies = (r["response_ids"] for r in read_responses(responses))
+    else:
+        replies = (pipe.tokenizer.encode(reply, add_special_tokens=False)[:1024]
+                   for _, reply in itertools.islice(sharegpt_conversations("train"), sample))
     counts = torch.zeros(pipe.target.config.shape.vocab_size)
-    for _, reply in itertools.islice(sharegpt_conversations("train"), sample):
-        ids = torch.tensor(pipe.tokenizer.encode(reply, add_special_tokens=False)[:1024], dtype=torch.long)
-        counts.index_add_(0, ids, torch.ones(len(ids)))
+    for ids in replies:
+        counts.index_add_(0, torch.tensor(ids, dtype=torch.long), torch.ones(len(ids)))
     counts[list(pipe.target.config.eos_token_ids)] += counts.max()
     return torch.topk(counts, min(count, len(counts))).indices.sort().values
 
@@ -153,42 +169,82 @@ def target_features(target: TargetModel, batch: list[list[int]], layer_ids: tupl
     return tokens, features, final
 
 
-def cached_features(target: TargetModel, batches, layer_ids: tuple[int, ...], num_tokens: int, path: Path) -> list:
-    """Target features of the first `num_tokens` training tokens, computed once and kept in `path`.
+class CachedSequence(NamedTuple):
+    tokens: torch.Tensor  # [T] token ids
+    features: torch.Tensor  # [T, N*H] bf16: the target's hidden states after target_layer_ids
+    final: torch.Tensor  # [T, H] bf16: its final-normed hidden states (soft labels go through the head)
+    labels: torch.Tensor  # [T] its argmax at each position
+    first_anchor: int
 
-    Per sequence: (token ids, features [T, N*H], final hidden states [T, H]) in bf16. Training then
-    draws batches from them: the prefill was more than half of a step (SmolLM2-135M, batch 8 x 256
-    tokens, 2 threads: ~4.5 s of prefill at ~450 tokens/s, ~3.3 s for the rest), so about twice the
-    steps fit in the same CPU time, at the price of repeating the data (~7 KB of cache per token).
+
+CACHE_FORMAT = 2
+
+
+def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...], num_tokens: int,
+                    path: Path, source: dict) -> list[CachedSequence]:
+    """Target features of the first `num_tokens` training tokens (or all of them, one epoch, if
+    fewer), computed once and kept in `path` (~7 KB per token). texts_from(skip) yields the training
+    texts after the first `skip`; a cache made when there were fewer (the responses grew, or a larger
+    `num_tokens`) is extended with the new ones.
+
+    Training then draws batches from them. On SmolLM2-135M, 2 threads, the prefill was more than half
+    of an online step (~4.5 s for 8 x 256 tokens), and the target's argmax labels through the
+    49K-way head another large part: both are paid once per token here instead of once per visit.
     """
+    sequences, read = [], 0
     if path.is_file():
-        return torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=False)
+        if not isinstance(saved, dict) or saved.get("format") != CACHE_FORMAT or saved.get("source") != source:
+            raise DFlashError(f"{path} was made by another trainer version or from other data or options "
+                              f"(this run: {source}); delete it to rebuild")
+        sequences, read = [CachedSequence(*fields) for fields in saved["sequences"]], saved["texts_read"]
+    cached, pending = sum(len(c.tokens) for c in sequences), []
+    if cached < num_tokens:
+        for text in texts_from(read):
+            read += 1
+            if text is not None:
+                pending.append(text)
+                cached += len(text[0])
+            if cached >= num_tokens:
+                break
+    if not pending:
+        if not sequences:
+            raise DFlashError("no training sequences of at least 32 tokens to cache")
+        return sequences
     from tqdm import tqdm
 
-    sequences, bar = [], tqdm(total=num_tokens, desc="cache target features", unit="tok")
-    while bar.n < num_tokens:
-        batch, _ = next(batches)
-        tokens, features, final = target_features(target, batch, layer_ids)
-        for i, ids in enumerate(batch):
+    bar = tqdm(total=sum(len(ids) for ids, _ in pending), desc="cache target features", unit="tok")
+    pending.sort(key=lambda text: len(text[0]))  # batches of similar lengths: little padding
+    for start in range(0, len(pending), 8):
+        batch = pending[start:start + 8]
+        tokens, features, final = target_features(target, [ids for ids, _ in batch], layer_ids)
+        for i, (ids, first) in enumerate(batch):
             n = len(ids)
-            sequences.append((tokens[i, :n].clone(), features[i, :n].bfloat16(), final[i, :n].bfloat16()))
+            with torch.no_grad():
+                labels = target.lm_head(final[i, :n]).argmax(-1)
+            sequences.append(CachedSequence(tokens[i, :n].clone(), features[i, :n].bfloat16(),
+                                            final[i, :n].bfloat16(), labels, first))
             bar.update(n)
     bar.close()
-    torch.save(sequences, path.with_suffix(".tmp"))
+    # plain tuples: a pickled class would tie the file to the module that ran the trainer
+    torch.save({"format": CACHE_FORMAT, "source": source, "texts_read": read,
+                "sequences": [tuple(c) for c in sequences]}, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)
     return sequences
 
 
-def sample_batch(sequences: list, batch_size: int, generator: torch.Generator):
-    """A random batch from cached features, right-padded like target_features' output."""
+def sample_batch(sequences: list[CachedSequence], batch_size: int, generator: torch.Generator):
+    """A random batch from cached features, right-padded like target_features' output, plus labels."""
     picked = [sequences[i] for i in torch.randint(len(sequences), (batch_size,), generator=generator).tolist()]
-    T = max(len(ids) for ids, _, _ in picked)
+    T = max(len(c.tokens) for c in picked)
     tokens = torch.zeros(batch_size, T, dtype=torch.long)
-    features = torch.zeros(batch_size, T, picked[0][1].shape[-1])
-    final = torch.zeros(batch_size, T, picked[0][2].shape[-1])
-    for i, (ids, feats, last) in enumerate(picked):
-        tokens[i, :len(ids)], features[i, :len(ids)], final[i, :len(ids)] = ids, feats, last
-    return [ids.tolist() for ids, _, _ in picked], (tokens, features, final)
+    labels = torch.zeros(batch_size, T, dtype=torch.long)
+    features = torch.zeros(batch_size, T, picked[0].features.shape[-1])
+    final = torch.zeros(batch_size, T, picked[0].final.shape[-1])
+    for i, c in enumerate(picked):
+        n = len(c.tokens)
+        tokens[i, :n], features[i, :n], final[i, :n], labels[i, :n] = c.tokens, c.features, c.final, c.labels
+    return [(c.tokens.tolist(), c.first_anchor) for c in picked], (tokens, features, final, labels)
 
 
 def drafter_hidden(drafter: DFlashDrafter, target: TargetModel, tokens, features, anchors, block_size: int):
@@ -215,36 +271,46 @@ def drafter_hidden(drafter: DFlashDrafter, target: TargetModel, tokens, features
 
 
 def block_loss(drafter, target, tokens, features, final, lengths, block_size, anchors_per_seq, decay, generator,
-               vocab_subset: torch.Tensor | None = None, soft_labels: bool = False):
+               vocab_subset: torch.Tensor | None = None, soft_labels: bool = False,
+               first_anchors: list[int] | None = None, labels: torch.Tensor | None = None):
     """Weighted CE over block positions 1..S-1 and per-position accuracy (correct, counted).
 
+    first_anchors: per sequence, the first position a block may start at (default 1: the block must
+    have at least one context token).
     vocab_subset: train the softmax over these ids plus the batch's labels instead of the whole
     vocabulary (the head is frozen and shared; evaluation always uses the whole vocabulary).
     soft_labels: match the target's distribution (over the same ids, KL divergence) instead of its
     argmax; the accuracy still counts argmax agreement, which is what greedy acceptance needs.
+    labels: the target's argmax at every position [B, T], if known (cached): saves the full head.
     """
     S = block_size
+    first_anchors = first_anchors or [1] * len(lengths)
     anchors = torch.stack([
-        torch.randint(1, max(2, n - 1), (anchors_per_seq,), generator=generator) for n in lengths
-    ])  # the block must start after at least one context token
+        torch.randint(first, max(first + 1, n - 1), (anchors_per_seq,), generator=generator)
+        for first, n in zip(first_anchors, lengths)
+    ])
     hidden = drafter_hidden(drafter, target, tokens, features, anchors, S).unflatten(1, (anchors_per_seq, S))
     k = torch.arange(1, S)
     label_pos = anchors[:, :, None] + k - 1  # the target's prediction for block position k
     valid = label_pos < torch.tensor(lengths)[:, None, None] - 1
     rows = torch.arange(len(lengths))[:, None, None].expand_as(label_pos)[valid]
-    with torch.no_grad():
-        target_logits = target.lm_head(final[rows, label_pos[valid]])
-        target_ids = target_logits.argmax(-1)
+    label_final = final[rows, label_pos[valid]]
+    if labels is not None:
+        target_ids = labels[rows, label_pos[valid]]
+    else:
+        with torch.no_grad():
+            target_ids = target.lm_head(label_final).argmax(-1)
     head = target.lm_head.weight
     if vocab_subset is not None:
         ids = torch.unique(torch.cat([vocab_subset, target_ids]))
-        head, target_logits = head[ids], target_logits[:, ids]
+        head = head[ids]
         target_ids = torch.searchsorted(ids, target_ids)
     logits = hidden[:, :, 1:][valid] @ head.T
     weights = torch.exp(-(k - 1) / decay).expand_as(label_pos)[valid]
     if soft_labels:  # KL(target || draft): the soft cross-entropy's gradient, 0 when the draft matches
-        per_token = F.kl_div(logits.log_softmax(-1), target_logits.log_softmax(-1), reduction="none",
-                             log_target=True).sum(-1)
+        with torch.no_grad():
+            target_log_probs = (label_final @ head.T).log_softmax(-1)
+        per_token = F.kl_div(logits.log_softmax(-1), target_log_probs, reduction="none", log_target=True).sum(-1)
     else:
         per_token = F.cross_entropy(logits, target_ids, reduction="none")
     loss = (per_token * weights).sum() / weights.sum()
@@ -283,6 +349,9 @@ def train(args: argparse.Namespace) -> None:
     rng = torch.Generator().manual_seed(args.seed)
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)
+        if state.get("config", drafter.config.to_dict()) != drafter.config.to_dict():
+            raise DFlashError(f"{state_path} holds a drafter of another shape ({state['config']}); pass the "
+                              "options it was started with (e.g. --block-size), or another --output")
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         step, seen_texts, seen_tokens, cpu_seconds = state["step"], state["seen_texts"], state["seen_tokens"], state["cpu_seconds"]
@@ -292,48 +361,57 @@ def train(args: argparse.Namespace) -> None:
     held_prompts = [pipe.encode(p) for p, _ in itertools.islice(
         ((p, r) for p, r in sharegpt_conversations("heldout") if len(p) < 300), args.tau_prompts)]
     held_feats = target_features(target, heldout, layer_ids)
-    vocab_subset = frequent_tokens(pipe, args.train_vocab) if args.train_vocab else None
+    vocab_subset = frequent_tokens(pipe, args.train_vocab, args.responses) if args.train_vocab else None
     batches = training_batches(pipe, args.seq_len, args.batch_size, seen_texts, args.responses)
     cache = None
     if args.feature_cache:
-        cache = cached_features(target, training_batches(pipe, args.seq_len, 8, 0, args.responses), layer_ids,
-                                args.feature_cache, out / "features.pt")
+        source = {"data": str(Path(args.responses).resolve()) if args.responses else "sharegpt", "seq_len": args.seq_len,
+                  "target_layer_ids": list(layer_ids)}
+        cache = cached_features(target, lambda skip: training_texts(pipe, args.seq_len, skip, args.responses),
+                                layer_ids, args.feature_cache, out / "features.pt", source)
     curve = (out / "learning_curve.jsonl").open("a")
     started, session_start = time.process_time(), time.time()
     from tqdm import tqdm
 
+    def evaluate() -> None:
+        record = _evaluate(drafter, target, heldout, held_feats, held_prompts, args, step, seen_tokens,
+                           cpu_seconds + time.process_time() - started)
+        curve.write(json.dumps(record) + "\n")
+        curve.flush()
+        plot_learning_curve(out / "learning_curve.jsonl", out / "learning_curve.png")
+        tqdm.write(f"step {step}: held-out loss {record['heldout_loss']:.3f}, "
+                   f"acc@1 {record['heldout_accuracy_by_position'][0]:.3f}, tau estimated "
+                   f"{record['heldout_estimated_tau']:.2f}, measured {record['heldout_measured_tau']:.2f}")
+
+    if step == 0 and args.init and curve.tell() == 0:  # where a continued drafter starts, measured as this run measures
+        evaluate()
     bar = tqdm(total=args.steps, initial=step, desc="train drafter", unit="step")
     while step < args.steps and (time.time() - session_start) / 60 < args.max_minutes:
         if cache is None:
             batch, seen_texts = next(batches)
-            tokens, features, final = target_features(target, batch, layer_ids)
+            tokens, features, final = target_features(target, [ids for ids, _ in batch], layer_ids)
+            labels = None
         else:
-            batch, (tokens, features, final) = sample_batch(cache, args.batch_size, rng)
+            batch, (tokens, features, final, labels) = sample_batch(cache, args.batch_size, rng)
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr
         drafter.train()
-        loss, correct, counted = block_loss(drafter, target, tokens, features, final, [len(b) for b in batch],
-                                            args.block_size, args.anchors, args.decay, rng, vocab_subset,
-                                            soft_labels=not args.hard_labels)
+        loss, correct, counted = block_loss(drafter, target, tokens, features, final, [len(ids) for ids, _ in batch],
+                                            drafter.config.block_size, args.anchors, args.decay, rng, vocab_subset,
+                                            soft_labels=not args.hard_labels,
+                                            first_anchors=[first for _, first in batch], labels=labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         step += 1
-        seen_tokens += sum(map(len, batch))
+        seen_tokens += sum(len(ids) for ids, _ in batch)
         acc = (correct / counted.clamp_min(1))
         bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0]:.2f}", acc4=f"{acc[3]:.2f}" if len(acc) > 3 else "-")
         bar.update()
         if step % args.eval_every == 0 or step == args.steps:
-            record = _evaluate(drafter, target, heldout, held_feats, held_prompts, args, step, seen_tokens,
-                               cpu_seconds + time.process_time() - started)
-            curve.write(json.dumps(record) + "\n")
-            curve.flush()
-            plot_learning_curve(out / "learning_curve.jsonl", out / "learning_curve.png")
-            tqdm.write(f"step {step}: held-out loss {record['heldout_loss']:.3f}, "
-                       f"acc@1 {record['heldout_accuracy_by_position'][0]:.3f}, tau estimated "
-                       f"{record['heldout_estimated_tau']:.2f}, measured {record['heldout_measured_tau']:.2f}")
+            evaluate()
         if step % args.save_every == 0 or step == args.steps:
             _save(drafter, optimizer, rng, out, step, seen_texts, seen_tokens,
                   cpu_seconds + time.process_time() - started, state_path)
@@ -370,7 +448,7 @@ def _evaluate(drafter, target, heldout, held_feats, held_prompts, args, step, se
     tokens, features, final = held_feats
     generator = torch.Generator().manual_seed(1234)  # the same anchors every time: comparable points
     loss, correct, counted = block_loss(drafter, target, tokens, features, final, [len(b) for b in heldout],
-                                        args.block_size, args.anchors, args.decay, generator)
+                                        drafter.config.block_size, args.anchors, args.decay, generator)
     return {
         "step": step,
         "tokens_seen": seen_tokens,
@@ -378,7 +456,7 @@ def _evaluate(drafter, target, heldout, held_feats, held_prompts, args, step, se
         "heldout_loss": round(loss.item(), 4),
         "heldout_accuracy_by_position": [round(x, 4) for x in (correct / counted.clamp_min(1)).tolist()],
         "heldout_estimated_tau": round(estimated_acceptance(correct, counted), 3),
-        "heldout_measured_tau": round(measured_acceptance(drafter, target, held_prompts, args.block_size), 3),
+        "heldout_measured_tau": round(measured_acceptance(drafter, target, held_prompts, drafter.config.block_size), 3),
     }
 
 
@@ -413,7 +491,8 @@ def plot_learning_curve(curve_path: Path, png_path: Path) -> None:
 
 def _save(drafter, optimizer, rng, out, step, seen_texts, seen_tokens, cpu_seconds, state_path) -> None:
     tmp = state_path.with_suffix(".tmp")
-    torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.get_state(),
+    torch.save({"drafter": drafter.state_dict(), "config": drafter.config.to_dict(),
+                "optimizer": optimizer.state_dict(), "rng": rng.get_state(),
                 "step": step, "seen_texts": seen_texts, "seen_tokens": seen_tokens, "cpu_seconds": cpu_seconds}, tmp)
     tmp.replace(state_path)
     save_drafter(drafter, out / "drafter")
@@ -426,12 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--responses", help="train on the target's own responses in this drafter_data.py directory "
                    "(default: ShareGPT replies)")
     p.add_argument("--feature-cache", type=int, default=0, metavar="TOKENS",
-                   help="compute the target's features of this many training tokens once (kept in the output "
-                   "directory) and draw every batch from them; 0 = a fresh prefill per step")
+                   help="compute the target's features of this many training tokens (at most one epoch) once, "
+                   "keep them in <output>/features.pt and draw every batch from them; a later run extends the cache "
+                   "with responses added since (delete it to rebuild); 0 = a fresh prefill per step")
     p.add_argument("--hard-labels", action="store_true", help="the target's argmax as label, not its softmax")
     p.add_argument("--init", help="start from this exported drafter's weights (its config fixes the architecture)")
     p.add_argument("--draft-layers", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, help="tokens per drafted block (default: 16, or the --init drafter's)")
     p.add_argument("--mask-token-id", type=int, default=16,
                    help="a real vocabulary id that prompts never use (SmolLM2: 16 = <empty_output>)")
     p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: --num-target-features spread evenly")

@@ -89,9 +89,9 @@ class DFlashDrafter(nn.Module):
         in_context = torch.arange(length, device=positions.device)[None, :] < context_lengths[:, None]
         in_block = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         mask = torch.cat([in_context, in_block], dim=1)[:, None, None, :]  # [B, 1, 1, L + S]
-        h = block_embeddings
+        h, rows = block_embeddings, cache.rows(slots)
         for i, layer in enumerate(self.layers):
-            context_k, context_v = cache.read(i, slots, length)
+            context_k, context_v = cache.read(i, rows, length)
             h = layer(h, cos, sin, context_k, context_v, mask)
         return self.norm(h)
 

@@ -111,7 +111,7 @@ class SpeculativeEngine:
             seq.status = Status.RUNNING
             self.running.append(seq)
             outputs.append(StepOutput(seq, self._prefill(seq)))
-        batch = list(self.running)
+        batch = sorted(self.running, key=lambda s: s.slot)  # a full batch in slot order reads its KV cache as a view
         if batch:
             new_tokens = self._speculate(batch)
             outputs += [StepOutput(s, new, s.stats.acceptance_lengths[-1]) for s, new in zip(batch, new_tokens)]

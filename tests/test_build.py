@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from builder.build import BuildOptions, build, main
+from builder.build import BuildOptions, build, file_hashes, main
 from builder.render import parse_model_config
 from dflash_runtime.config import DFlashError
 
@@ -14,7 +14,7 @@ from dflash_runtime.config import DFlashError
 def test_default_build_is_complete_and_reused(default_build, capsys):
     manifest = json.loads((default_build / "manifest.json").read_text())
     assert manifest["artifacts"]["models"] == ["dflash", "dflash_bls", "ensemble", "postprocessing", "preprocessing"]
-    assert manifest["options"]["block_size"] == 16 and manifest["inputs"]["preset"] == "smollm2-135m"
+    assert manifest["options"]["block_size"] == 8 and manifest["inputs"]["preset"] == "smollm2-135m"
     assert manifest["inputs"]["file_sha256"]["drafter"]["model.safetensors"]
     for name in manifest["artifacts"]["models"]:
         config = parse_model_config(default_build / "model_repository" / name / "config.pbtxt")
@@ -92,3 +92,22 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "quantize the target with ModelOpt: fp8" in out and "sanity run" in out
     assert not (tmp_path / "out").exists()
+
+
+def test_build_can_train_its_drafter_first(tmp_path, monkeypatch):
+    """--train-drafter: a (very short) training run, then a build whose drafter is the one just trained."""
+    run = tmp_path / "train"
+    train_args = (f"--output {run} --draft-layers 1 --block-size 8 --batch-size 1 --seq-len 64 --anchors 2 --steps 1 "
+                  "--eval-every 1 --train-vocab 512 --tau-prompts 1")
+    assert main([f"--train-drafter={train_args}", "--sanity-tokens", "8", "--output", str(tmp_path / "out")]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["inputs"]["file_sha256"]["drafter"] == file_hashes(run / "drafter")
+    assert manifest["options"]["block_size"] == 8 and manifest["sanity"]["token_identical_prompts"] == "2/2"
+
+    monkeypatch.chdir(tmp_path)  # the trainer's default run directory is runs/<target>-drafter under it
+    for argv in (["--train-drafter=--target=x"], ["--train-drafter=--no-such-option"],
+                 ["--train-drafter=--steps 1", "--block-size", "8"],  # the trainer's option, not the build's
+                 ["--train-drafter=--steps 1", "--drafter", "none"],
+                 ["--train-drafter=--steps 1", "--kv-cache", "fp8"]):
+        assert main([*argv, "--output", str(tmp_path / "bad")]) == 2, argv
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "runs").exists()  # refused before any training

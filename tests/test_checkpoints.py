@@ -91,9 +91,13 @@ def test_kv_cache_append_crop_and_ragged_reads():
     cache.crop(slots, torch.tensor([3, 1]))  # slot 0 rolls back two rejected tokens
     assert cache.lengths.tolist() == [1, 0, 3]
     assert cache.append_positions(slots, 2).tolist() == [[3, 4], [1, 2]]
-    k, v = cache.read(0, torch.tensor([0, 2]), 3)
+    k, v = cache.read(0, cache.rows(torch.tensor([0, 2])), 3)
     assert k.shape == (2, 2, 3, 4)
     assert torch.equal(k[1].transpose(0, 1), kv[0]) and torch.equal(v[0, :, 0], -kv[1, 0])
+    # slots in one increasing run are read as a view of the cache, the same values as a gather
+    assert cache.rows(torch.tensor([1, 2])) == slice(1, 3) and cache.rows(torch.tensor([2])) == slice(2, 3)
+    for a, b in zip(cache.read(0, slice(1, 3), 3), cache.read(0, torch.tensor([1, 2]), 3)):
+        assert a._base is not None and torch.equal(a, b)
     with pytest.raises(IndexError, match="beyond capacity"):
         cache.write(0, slots, torch.tensor([[8], [0]]), kv[:, :1], kv[:, :1])
 

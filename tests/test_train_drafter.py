@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from builder.train_drafter import block_loss, main, new_drafter, target_features
+from builder.train_drafter import CachedSequence, block_loss, main, new_drafter, target_features
 from conftest import BLOCK, MASK, PROMPTS
 from dflash_runtime import SamplingParams, SpeculativeEngine, load_target
 from dflash_runtime.pipeline import load_pipeline
@@ -57,6 +57,8 @@ def test_trainer_checkpoints_resumes_and_exports_a_lossless_drafter(tmp_path, ca
     follow = [a if a != str(out) else str(tmp_path / "follow") for a in common]
     assert main(follow + ["--steps", "1", "--init", str(out / "drafter")]) == 0
     assert (tmp_path / "follow" / "drafter" / "model.safetensors").is_file()
+    follow_curve = (tmp_path / "follow" / "learning_curve.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in follow_curve] == [0, 1]  # the starting point, then step 1
 
     pipe = load_pipeline("smollm2-135m", drafter=str(out / "drafter"))
     assert pipe.drafter.config.num_target_layers == 30 and pipe.drafter.config.mask_token_id == 16
@@ -66,7 +68,7 @@ def test_trainer_checkpoints_resumes_and_exports_a_lossless_drafter(tmp_path, ca
             == pipe.engine(block_size=1, max_batch_size=1).generate([prompt], params)[0].output_ids)
 
 
-def test_target_responses_are_its_greedy_output_resume_and_train_a_drafter(tmp_path):
+def test_target_responses_are_its_greedy_output_resume_and_train_a_drafter(tmp_path, capsys):
     """drafter_data.py on the embedded default: greedy responses, appended and resumed; the trainer reads them."""
     from builder import drafter_data
 
@@ -86,12 +88,45 @@ def test_target_responses_are_its_greedy_output_resume_and_train_a_drafter(tmp_p
     assert len(drafter_data.read_responses(data)) == 4
 
     out = tmp_path / "run"
-    assert main(["--target", "smollm2-135m", "--output", str(out), "--responses", str(data), "--draft-layers", "1",
-                 "--batch-size", "2", "--seq-len", "64", "--anchors", "2", "--steps", "1", "--eval-every", "1",
-                 "--train-vocab", "512", "--tau-prompts", "1", "--feature-cache", "100"]) == 0
+    train = ["--target", "smollm2-135m", "--output", str(out), "--responses", str(data), "--draft-layers", "1",
+             "--batch-size", "2", "--seq-len", "64", "--anchors", "2", "--eval-every", "1", "--train-vocab", "512",
+             "--tau-prompts", "1"]
+    assert main(train + ["--steps", "1", "--feature-cache", "40"]) == 0
     assert torch.load(out / "checkpoint.pt", weights_only=False)["seen_tokens"] > 0
-    cached = torch.load(out / "features.pt", weights_only=False)
-    assert sum(len(ids) for ids, _, _ in cached) >= 100
-    ids, features, final = cached[0]
-    assert ids.tolist() == drafter_data.training_sequence(records[0], pipe.target.config.eos_token_ids[0])[:64]
-    assert features.shape == (len(ids), 5 * 576) and final.shape == (len(ids), 576)
+    saved = torch.load(out / "features.pt", weights_only=False)
+    assert saved["source"]["data"] == str(data.resolve()) and saved["source"]["seq_len"] == 64
+    cached = [CachedSequence(*fields) for fields in saved["sequences"]]
+    assert sum(len(c.tokens) for c in cached) >= 40
+    expected = [drafter_data.training_sequence(r)[:64] for r in records]
+    for c in cached:
+        record = records[expected.index(c.tokens.tolist())]
+        assert c.features.shape == (len(c.tokens), 5 * 576) and c.final.shape == (len(c.tokens), 576)
+        # greedy responses: the target's argmax at a response position is the next response token
+        prompt_length = len(record["prompt_ids"])
+        assert c.labels[prompt_length - 1:-1].tolist() == c.tokens[prompt_length:].tolist()
+        assert c.first_anchor == prompt_length  # blocks start in the response, as when decoding
+
+    # a larger --feature-cache (or more responses) extends the cache; the entries made before stay
+    assert main(train + ["--steps", "2", "--feature-cache", "100000"]) == 0
+    grown = torch.load(out / "features.pt", weights_only=False)
+    usable = sum(len(ids) >= 32 and len(ids) - len(r["prompt_ids"]) >= 2 for ids, r in zip(expected, records))
+    assert saved["texts_read"] < grown["texts_read"] == 4 and len(grown["sequences"]) == usable
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(saved["sequences"], grown["sequences"]))
+
+    # a cache made from other data or options is refused, not silently reused
+    assert main([a if a != "64" else "80" for a in train] + ["--steps", "3", "--feature-cache", "100"]) == 2
+    assert "delete it to rebuild" in capsys.readouterr().err
+
+
+def test_blocks_start_at_the_first_anchor(tiny):
+    """An anchor never lies before its sequence's first anchor: from the last possible one only position 1 has a label."""
+    target = load_target(tiny[0])
+    drafter = new_drafter(target, num_layers=1, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=(1, 3))
+    batch = [list(range(5, 45)), list(range(7, 37))]
+    tokens, features, final = target_features(target, batch, (1, 3))
+    lengths = [len(b) for b in batch]
+    common = (drafter, target, tokens, features, final, lengths, BLOCK, 4, 7.0)
+    _, _, counted = block_loss(*common, torch.Generator().manual_seed(0), first_anchors=[n - 2 for n in lengths])
+    assert counted.tolist() == [8.0] + [0.0] * (BLOCK - 2)
+    _, _, counted = block_loss(*common, torch.Generator().manual_seed(0))
+    assert counted[1:].sum() > 0
