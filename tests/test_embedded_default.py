@@ -9,6 +9,7 @@ import torch
 from dflash_runtime import SamplingParams
 from dflash_runtime.cli import main
 from dflash_runtime.pipeline import load_pipeline
+from dflash_runtime.presets import PRESETS
 
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a Python function that adds two numbers."]
 
@@ -58,6 +59,7 @@ def test_benchmark_reports_side_by_side_and_checks_identity(tmp_path, capsys):
     summary = json.loads((tmp_path / "bench.json").read_text())
     for result in summary["prompt_sets"].values():
         assert result["token_identical_prompts"] == "1/1"
-        assert result["mean_acceptance_length"] >= 1 and len(result["acceptance_by_position"]) == 15
+        assert result["mean_acceptance_length"] >= 1
+        assert len(result["acceptance_by_position"]) == summary["block_size"] - 1 == PRESETS["smollm2-135m"].block_size - 1
         assert set(result["tokens_per_second"]) == {"autoregressive", "dflash"}
     assert (tmp_path / "bench.png").stat().st_size > 0

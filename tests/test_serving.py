@@ -112,7 +112,7 @@ def in_process(default_build):
 
 
 @pytest.mark.parametrize("model", FRONT_MODELS)
-def test_grpc_stream_and_http_generate_equal_in_process_greedy(default_server, in_process, model):
+def test_grpc_stream_and_http_generate_equal_in_process_greedy(default_server, default_build, in_process, model):
     question = QUESTIONS[0]
     text, results = streamed_text(default_server.grpc_url, question, 24, model)
     assert text == in_process[question] and "Paris" in text
@@ -120,7 +120,8 @@ def test_grpc_stream_and_http_generate_equal_in_process_greedy(default_server, i
     last = results[-1]
     assert last.as_numpy("finish_reason").item() in (b"stop", b"length")
     steps = int(last.as_numpy("draft_steps").item())
-    assert steps > 0 and int(last.as_numpy("total_draft_tokens").item()) == steps * 15
+    block_size = json.loads((default_build / "manifest.json").read_text())["options"]["block_size"]
+    assert steps > 0 and int(last.as_numpy("total_draft_tokens").item()) == steps * (block_size - 1)
     assert last.as_numpy("mean_acceptance_length").item() == pytest.approx(
         1 + last.as_numpy("total_accepted_draft_tokens").item() / steps, rel=1e-5)
 

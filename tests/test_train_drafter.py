@@ -78,7 +78,8 @@ def test_target_responses_are_its_greedy_output_resume_and_train_a_drafter(tmp_p
     assert drafter_data.main(common + ["--num-prompts", "1"]) == 0  # resumes after the last index
     records = drafter_data.read_responses(data)
     indices = [r["index"] for r in records]
-    assert len(records) == 4 and sorted(indices[:3]) == indices[:3] and indices[3] > max(indices[:3])
+    # answers are written as they finish, in any order; a resumed run continues after the highest index
+    assert len(records) == 4 and len(set(indices[:3])) == 3 and indices[3] > max(indices[:3])
     pipe = load_pipeline("smollm2-135m", drafter=None)
     first = sorted(records, key=lambda r: r["index"])[0]
     engine = pipe.engine(block_size=1, max_batch_size=1)
