@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                         pipeline_parallel_size=args.pipeline_parallel_size, sanity_tokens=args.sanity_tokens)
     output = args.output or Path("builds") / Path(args.target).name
     try:
-        steps = []
+        training = None
         if args.train_drafter is not None:
             if args.drafter != "preset":
                 raise DFlashError("--train-drafter and --drafter both name the drafter")
@@ -428,12 +428,12 @@ def main(argv: list[str] | None = None) -> int:
             resolve_inputs(replace(opts, drafter="none", block_size=None))
             _check_writable(output.resolve().parent)
             opts = replace(opts, drafter=str(Path(training.output) / "drafter"))
-            steps.append(f"train a drafter: builder/train_drafter.py, resumable in {training.output}")
         if args.dry_run:
-            steps += plan(resolve_inputs(opts), opts, output) if not steps else ["build with the trained drafter"]
+            steps = ([f"train a drafter: builder/train_drafter.py, resumable in {training.output}",
+                      "build with the trained drafter"] if training else plan(resolve_inputs(opts), opts, output))
             print("plan:\n" + "\n".join(f"  {n}. {s}" for n, s in enumerate(steps, 1)))
             return 0
-        if steps:
+        if training is not None:
             from builder.train_drafter import train
 
             train(training)

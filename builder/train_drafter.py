@@ -207,9 +207,9 @@ def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...],
                 cached += len(text[0])
             if cached >= num_tokens:
                 break
+    if not pending and not sequences:
+        raise DFlashError("no training sequences of at least 32 tokens to cache")
     if not pending:
-        if not sequences:
-            raise DFlashError("no training sequences of at least 32 tokens to cache")
         return sequences
     from tqdm import tqdm
 
