@@ -353,15 +353,15 @@ def drafter_training_args(target: str, train_args: str) -> argparse.Namespace:
     from builder import train_drafter
 
     parser = train_drafter.build_parser()
-    parser.set_defaults(target=None, output=None)
+    parser.set_defaults(target=None)
+    default_output = str(Path("runs") / f"{Path(target).name}-drafter")  # an --output in ARGS comes later and wins
     try:
-        args = parser.parse_args(shlex.split(train_args))
+        args = parser.parse_args(["--output", default_output, *shlex.split(train_args)])
     except SystemExit:  # argparse has printed what is wrong
         raise DFlashError("--train-drafter: bad arguments for builder/train_drafter.py (see its --help)") from None
     if args.target is not None:
         raise DFlashError("--train-drafter trains for the build's --target; leave --target out of its arguments")
     args.target = target
-    args.output = args.output or str(Path("runs") / f"{Path(target).name}-drafter")
     return args
 
 

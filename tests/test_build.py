@@ -94,7 +94,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_build_can_train_its_drafter_first(tmp_path, monkeypatch):
+def test_build_can_train_its_drafter_first(tmp_path, monkeypatch, capsys):
     """--train-drafter: a (very short) training run, then a build whose drafter is the one just trained."""
     run = tmp_path / "train"
     train_args = (f"--output {run} --draft-layers 1 --block-size 8 --batch-size 1 --seq-len 64 --anchors 2 --steps 1 "
@@ -105,6 +105,8 @@ def test_build_can_train_its_drafter_first(tmp_path, monkeypatch):
     assert manifest["options"]["block_size"] == 8 and manifest["sanity"]["token_identical_prompts"] == "2/2"
 
     monkeypatch.chdir(tmp_path)  # the trainer's default run directory is runs/<target>-drafter under it
+    assert main(["--train-drafter=--steps 1", "--dry-run", "--output", str(tmp_path / "bad")]) == 0
+    assert "resumable in runs/smollm2-135m-drafter" in capsys.readouterr().out
     for argv in (["--train-drafter=--target=x"], ["--train-drafter=--no-such-option"],
                  ["--train-drafter=--steps 1", "--block-size", "8"],  # the trainer's option, not the build's
                  ["--train-drafter=--steps 1", "--drafter", "none"],
