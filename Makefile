@@ -42,10 +42,10 @@ bench: install
 # The shipped drafter's last stages (models/smollm2-135m-dflash/README.md): the target's own answers,
 # features cached once, block 8. Both resume; run drafter-data for longer to get more data.
 drafter-data: install
-	$(PY) builder/drafter_data.py --output runs/smollm2-135m-responses --max-minutes 60 --batch-size 48
+	$(VENV)/bin/dflash-drafter-data --output runs/smollm2-135m-responses --max-minutes 60 --batch-size 48
 
 train-drafter: install
-	$(PY) builder/train_drafter.py --output runs/smollm2-135m-drafter --init models/smollm2-135m-dflash \
+	$(VENV)/bin/dflash-train-drafter --output runs/smollm2-135m-drafter --init models/smollm2-135m-dflash \
 		--responses runs/smollm2-135m-responses --feature-cache 3000000 --block-size 8 --anchors 32 \
 		--batch-size 8 --seq-len 512 --train-vocab 4096 --lr 6e-4 --warmup 50 --decay 4 --max-minutes 60
 

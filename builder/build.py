@@ -1,20 +1,10 @@
-"""python builder/build.py: a target and its DFlash drafter -> a deployable, self-describing build.
+"""python builder/build.py: a target and its DFlash drafter -> a deployable build (see `--help`).
 
-    <output>/
-      target/            the target checkpoint (a ModelOpt unified HF checkpoint with --quant)
-      drafter/           the DFlash drafter (z-lab format)
-      model_repository/  the Triton model repository rendered for this build
-      manifest.json      inputs (ids, paths, file hashes), options, package versions, quantization
-                         report, sanity run (tau, speed, token identity), time taken
-
-The build is written to a temporary folder beside <output> and renamed at the end: a failed or
-interrupted build never looks complete. Re-running with the same inputs and options reuses the
-existing build (compared by hash); --force rebuilds.
+The layout of a build is dflash_contract.layout's; the options and the command line are builder/options.py's.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -30,39 +20,16 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from builder.quantize import KV_CACHE_FORMATS, QUANT_FORMATS
+from builder.options import RUNTIMES, BuildOptions, build_parser, check_quant_formats, options_from_args
 from builder.render import TORCH_MODELS, render_repository
-from dflash_runtime.config import DFlashError, DrafterConfig, TargetConfig
-from dflash_runtime.presets import DEFAULT_PRESET, PRESETS, resolve_checkpoint, resolve_target
+from dflash_contract import DFlashError
+from dflash_contract.layout import (DRAFTER_DIR, MANIFEST_FILE, REPOSITORY_DIR, TARGET_DIR, TRTLLM_OPTIONS_FILE,
+                                    build_key, file_hashes, read_manifest)
+from dflash_runtime.checkpoint import resolve_checkpoint, resolve_target
+from dflash_runtime.config import DrafterConfig, TargetConfig
 
-REPOSITORY_DIR = "model_repository"
-TRTLLM_OPTIONS_FILE = "extra_llm_api_options.yaml"
-MANIFEST_FILE = "manifest.json"
-TARGET_DIR = "target"
-DRAFTER_DIR = "drafter"
-RUNTIMES = ("torch", "trtllm")
 PACKAGES = ("torch", "transformers", "nvidia-modelopt", "tritonclient", "nvidia-pytriton", "tensorrt-llm")
 SANITY_PROMPTS = ["Explain what a hash table is and when to use one.", "Write a haiku about autumn."]
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    target: str
-    drafter: str  # "preset", a directory, or "none"
-    runtime: str = "torch"
-    quant: str = "none"
-    kv_cache: str = "none"
-    calib_samples: int = 128
-    block_size: int | None = None
-    max_batch_size: int = 8
-    max_context: int | None = None
-    max_queue_size: int = 64
-    dtype: str = "float32"
-    device: str = "cpu"
-    gpu: str | None = None  # trtllm: the serving GPU (h100, b200, ...), checked against the quantization
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    sanity_tokens: int = 32
 
 
 @dataclass
@@ -79,10 +46,7 @@ def resolve_inputs(opts: BuildOptions) -> Inputs:
     """Find the checkpoints and check that the drafter fits the target, before any heavy work."""
     if opts.runtime not in RUNTIMES:
         raise DFlashError(f"unknown runtime {opts.runtime!r} (known: {', '.join(RUNTIMES)})")
-    if opts.quant not in QUANT_FORMATS:
-        raise DFlashError(f"unknown quantization {opts.quant!r} (known: {', '.join(QUANT_FORMATS)})")
-    if opts.kv_cache not in KV_CACHE_FORMATS:
-        raise DFlashError(f"unknown KV-cache quantization {opts.kv_cache!r} (known: {', '.join(KV_CACHE_FORMATS)})")
+    check_quant_formats(opts.quant, opts.kv_cache)
     if opts.kv_cache == "fp8" and opts.quant == "none":
         raise DFlashError("--kv-cache fp8 needs --quant fp8 or nvfp4 (the KV scales are calibrated with the weights)")
     if opts.max_batch_size < 1 or opts.max_queue_size < 0 or opts.calib_samples < 1:
@@ -109,28 +73,12 @@ def resolve_inputs(opts: BuildOptions) -> Inputs:
         drafter_config.check_against(target_config, str(drafter_dir))
         block_size = opts.block_size or drafter_config.block_size
         if block_size > drafter_config.block_size:
-            raise DFlashError(f"--block-size {block_size} is larger than the drafter supports ({drafter_config.block_size})")
+            raise DFlashError(f"--block-size {block_size} is larger than the drafter supports "
+                              f"({drafter_config.block_size})")
     elif block_size != 1:
         raise DFlashError(f"--block-size {block_size} needs a drafter")
     max_context = opts.max_context or (preset.max_context if preset else 2048)
     return Inputs(target_dir, drafter_dir, drafter_config, preset.name if preset else None, block_size, max_context)
-
-
-def file_hashes(folder: Path) -> dict[str, str]:
-    hashes = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                digest.update(block)
-        hashes[str(path.relative_to(folder))] = digest.hexdigest()
-    return hashes
-
-
-def build_key(inputs: Inputs, opts: BuildOptions, hashes: dict) -> str:
-    blob = json.dumps({"options": asdict(opts), "block_size": inputs.block_size, "max_context": inputs.max_context,
-                       "hashes": hashes}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
@@ -146,7 +94,8 @@ def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
         steps.append(f"render the Triton model repository ({', '.join(TORCH_MODELS)}) into {output / REPOSITORY_DIR}: "
                      f"max batch {opts.max_batch_size}, context {inputs.max_context}, {opts.dtype} on {opts.device}")
     else:
-        steps.append(f"write TensorRT-LLM LLM-API options ({TRTLLM_OPTIONS_FILE}: DFlash, tp {opts.tensor_parallel_size}, "
+        steps.append(f"write TensorRT-LLM LLM-API options ({TRTLLM_OPTIONS_FILE}: DFlash, "
+                     f"tp {opts.tensor_parallel_size}, "
                      f"pp {opts.pipeline_parallel_size}, max batch {opts.max_batch_size}) and render the LLM-API "
                      f"model repository into {output / REPOSITORY_DIR}; validate them where tensorrt_llm imports")
     if opts.sanity_tokens:
@@ -189,7 +138,7 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
 
 def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
     """Autoregressive vs DFlash on the built artifacts: token identity, tau and speed."""
-    from dflash_runtime.benchmark import measure
+    from dflash_tools.benchmark import measure
     from dflash_runtime.pipeline import load_pipeline
 
     drafter = str(build / DRAFTER_DIR) if inputs.drafter_dir else None
@@ -218,13 +167,11 @@ def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
     _check_writable(output.parent)
     hashes = {"target": file_hashes(inputs.target_dir),
               "drafter": file_hashes(inputs.drafter_dir) if inputs.drafter_dir else {}}
-    key = build_key(inputs, opts, hashes)
-    existing = output / MANIFEST_FILE
-    if existing.is_file() and not force:
-        manifest = json.loads(existing.read_text())
-        if manifest.get("build_key") == key:
-            manifest["reused"] = True
-            return manifest
+    key = build_key({**asdict(opts), "block_size": inputs.block_size, "max_context": inputs.max_context}, hashes)
+    if (output / MANIFEST_FILE).is_file() and not force:
+        existing = read_manifest(output).data
+        if existing["build_key"] == key:
+            return {**existing, "reused": True}
     stage = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     try:
         manifest = _build_into(stage, output, inputs, opts, hashes, key, started)
@@ -348,9 +295,9 @@ def summary(manifest: dict, output: Path) -> str:
 
 
 def drafter_training_args(target: str, train_args: str) -> argparse.Namespace:
-    """builder/train_drafter.py's arguments for --train-drafter: the build's target, and by default
+    """dflash-train-drafter's arguments for --train-drafter: the build's target, and by default
     the resumable run directory runs/<target>-drafter."""
-    from builder import train_drafter
+    from dflash_training import train_drafter
 
     parser = train_drafter.build_parser()
     parser.set_defaults(target=None)
@@ -358,63 +305,16 @@ def drafter_training_args(target: str, train_args: str) -> argparse.Namespace:
     try:
         args = parser.parse_args(["--output", default_output, *shlex.split(train_args)])
     except SystemExit:  # argparse has printed what is wrong
-        raise DFlashError("--train-drafter: bad arguments for builder/train_drafter.py (see its --help)") from None
+        raise DFlashError("--train-drafter: bad arguments for dflash-train-drafter (see its --help)") from None
     if args.target is not None:
         raise DFlashError("--train-drafter trains for the build's --target; leave --target out of its arguments")
     args.target = target
     return args
 
 
-def build_parser() -> argparse.ArgumentParser:
-    presets = "\n".join(f"  {p.name:<20} {p.description}" for p in PRESETS.values())
-    parser = argparse.ArgumentParser(
-        prog="build.py",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__,
-        epilog=f"presets:\n{presets}\n\nexamples:\n"
-               "  python builder/build.py                                   # embedded default -> builds/smollm2-135m\n"
-               "  python builder/build.py --target smollm2-135m --quant fp8 --output builds/smollm2-fp8\n"
-               "  python builder/build.py --target qwen3-8b --dry-run       # print the plan only\n"
-               "  python builder/build.py --target ./my-llama --drafter ./my-drafter --output builds/mine\n"
-               "  python builder/build.py --target ./my-llama --train-drafter='--max-minutes 600'  # train one first\n\n"
-               "runtimes: torch = this project's PyTorch engine (CPU or CUDA). TensorRT-LLM supports DFlash only in "
-               "its PyTorch backend (>= 1.3, LLM API); the legacy trtllm-build engine flow has no DFlash.")
-    parser.add_argument("--target", default=DEFAULT_PRESET, help=f"preset or HF checkpoint directory (default: {DEFAULT_PRESET})")
-    parser.add_argument("--drafter", default="preset", help="drafter directory, 'preset' (default) or 'none'")
-    parser.add_argument("--train-drafter", metavar="ARGS",
-                        help="first train a drafter for the target with builder/train_drafter.py ARGS, then build "
-                             "with it; write --train-drafter='ARGS' (see train_drafter.py --help); resumable in "
-                             "runs/<target>-drafter unless ARGS name an --output")
-    parser.add_argument("--output", type=Path, help="build folder (default: builds/<target name>)")
-    parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
-                        help="torch: this project's engine (CPU/CUDA) behind Triton's Python backend; trtllm: "
-                             "TensorRT-LLM >= 1.3 PyTorch backend, LLM-API options (no trtllm-build: no DFlash there)")
-    parser.add_argument("--gpu", help="trtllm: serving GPU (a100, l40s, h100, h200, b200, ...); checks the quantization")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="trtllm: GPUs per pipeline stage")
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="trtllm: pipeline stages")
-    parser.add_argument("--quant", default="none", choices=QUANT_FORMATS, help="ModelOpt quantization of the target")
-    parser.add_argument("--kv-cache", default="none", choices=KV_CACHE_FORMATS, help="KV-cache quantization (with --quant)")
-    parser.add_argument("--calib-samples", type=int, default=128, help="ShareGPT calibration prompts for --quant")
-    parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (KV-cache slots)")
-    parser.add_argument("--max-context", type=int, help="context limit in tokens (default: the preset's, else 2048)")
-    parser.add_argument("--max-queue-size", type=int, default=64, help="requests that may wait for a slot")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="torch runtime device (cpu, cuda)")
-    parser.add_argument("--sanity-tokens", type=int, default=32, help="tokens per sanity prompt; 0 skips the run")
-    parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    opts = BuildOptions(target=args.target, drafter=args.drafter, runtime=args.runtime, quant=args.quant,
-                        kv_cache=args.kv_cache, calib_samples=args.calib_samples, block_size=args.block_size,
-                        max_batch_size=args.max_batch_size, max_context=args.max_context,
-                        max_queue_size=args.max_queue_size, dtype=args.dtype, device=args.device, gpu=args.gpu,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        pipeline_parallel_size=args.pipeline_parallel_size, sanity_tokens=args.sanity_tokens)
+    opts = options_from_args(args)
     output = args.output or Path("builds") / Path(args.target).name
     try:
         training = None
@@ -422,19 +322,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.drafter != "preset":
                 raise DFlashError("--train-drafter and --drafter both name the drafter")
             if args.block_size is not None:
-                raise DFlashError("with --train-drafter the trainer sets the block size: --train-drafter='--block-size N ...'")
+                raise DFlashError("with --train-drafter the trainer sets the block size: "
+                                  "--train-drafter='--block-size N ...'")
             training = drafter_training_args(args.target, args.train_drafter)
             # everything but the drafter is checked before hours of training
             resolve_inputs(replace(opts, drafter="none", block_size=None))
             _check_writable(output.resolve().parent)
             opts = replace(opts, drafter=str(Path(training.output) / "drafter"))
         if args.dry_run:
-            steps = ([f"train a drafter: builder/train_drafter.py, resumable in {training.output}",
+            steps = ([f"train a drafter: dflash-train-drafter, resumable in {training.output}",
                       "build with the trained drafter"] if training else plan(resolve_inputs(opts), opts, output))
             print("plan:\n" + "\n".join(f"  {n}. {s}" for n, s in enumerate(steps, 1)))
             return 0
         if training is not None:
-            from builder.train_drafter import train
+            from dflash_training.train_drafter import train
 
             train(training)
         manifest = build(opts, output, force=args.force)

@@ -2,7 +2,7 @@
 
 FP8 (W8A8, per-tensor) or NVFP4 (W4A4, blocks of 16) on the target's linear layers, optionally an
 FP8 KV cache; the embedding and LM head stay unquantized (ModelOpt's defaults). Calibration runs on
-ShareGPT's training split, quality is measured on its held-out split (dflash_runtime.prompts); the
+ShareGPT's training split, quality is measured on its held-out split (dflash_tools.prompts); the
 drafter is not touched. The export (`hf_quant_config.json` + safetensors + tokenizer) loads in
 TensorRT-LLM, vLLM and SGLang, and in our runtime, which dequantizes it at load time.
 
@@ -34,23 +34,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dflash_runtime.config import DFlashError
-from dflash_runtime.prompts import sharegpt_conversations
+from builder.options import check_quant_formats
+from dflash_contract import DFlashError
 from dflash_runtime.target import load_target
 from dflash_runtime.text import encode_prompt, load_tokenizer
-
-QUANT_FORMATS = ("none", "fp8", "nvfp4")
-KV_CACHE_FORMATS = ("none", "fp8")
-
-
-def check_quant_options(quant: str, kv_cache: str) -> None:
-    """Refuse unknown formats before any expensive work (build.py calls this at the door)."""
-    if quant not in QUANT_FORMATS:
-        raise DFlashError(f"unsupported quantization {quant!r} (supported: {', '.join(QUANT_FORMATS)})")
-    if kv_cache not in KV_CACHE_FORMATS:
-        raise DFlashError(f"unsupported KV-cache quantization {kv_cache!r} (supported: {', '.join(KV_CACHE_FORMATS)})")
-    if quant == "none" and kv_cache == "none":
-        raise DFlashError("nothing to quantize: --quant none with --kv-cache none uses the target as it is")
+from dflash_tools.prompts import sharegpt_conversations
 
 
 @dataclass(frozen=True)
@@ -68,7 +56,9 @@ class QuantizeOptions:
     device: str = "cpu"
 
     def __post_init__(self):
-        check_quant_options(self.quant, self.kv_cache)
+        check_quant_formats(self.quant, self.kv_cache)
+        if self.quant == "none" and self.kv_cache == "none":
+            raise DFlashError("nothing to quantize: --quant none with --kv-cache none uses the target as it is")
         if self.calib_samples < 1:
             raise DFlashError(f"--calib-samples must be at least 1 (got {self.calib_samples})")
         if self.eval_texts < 1 or self.eval_max_tokens < 2:
@@ -114,56 +104,88 @@ def quantize_target(target_dir: str | Path, output_dir: str | Path, quant: str, 
     return report
 
 
-def _quantize(target_dir: Path, staging: Path, tokenizer, opts: QuantizeOptions, progress: bool) -> dict:
-    import modelopt
-    import modelopt.torch.quantization as mtq
-    import transformers
+@dataclass(frozen=True)
+class _Reference:
+    """The unquantized model's measurements every quantized variant is compared with."""
+    texts: list[list[int]]  # held-out texts for perplexity
+    paths: list[tuple[list[int], int]]  # its greedy continuations of held-out prompts (path, prompt length)
+    baseline: dict  # measure() of the unquantized model
 
+
+def _quantize(target_dir: Path, staging: Path, tokenizer, opts: QuantizeOptions, progress: bool) -> dict:
+    """Measure the unquantized target, calibrate, evaluate and export into staging; the report."""
+    config, config_name = modelopt_config(opts.quant, opts.kv_cache)
     torch.manual_seed(opts.seed)
     seconds = {}
     calibration = calibration_set(tokenizer, opts.calib_samples, opts.calib_max_tokens, opts.seed)
     texts, prompts = heldout_set(tokenizer, opts.eval_texts, opts.eval_max_tokens, opts.agreement_prompts)
-    device = opts.device
+    model = _load_hf_model(target_dir, opts.device)
+    with _timed(seconds, "reference"):
+        reference = _measure_reference(model, tokenizer, texts, prompts, opts, progress)
+    with _timed(seconds, "calibration"):
+        _calibrate(model, config, calibration, opts, progress)
+    evaluation = {}
+    with _timed(seconds, "evaluation"):
+        if opts.quant != "nvfp4" or opts.device != "cpu":  # NVFP4 fake quantization asserts CUDA tensors
+            evaluation["fake_quant"] = _measure_against(_hf_logits(model), reference, "fake-quantized", progress)
+    with _timed(seconds, "export"):
+        export(model, tokenizer, staging, opts.export_dtype)
+    del model
+    with _timed(seconds, "evaluation"):
+        runtime = load_target(staging, torch.float32, opts.device)
+        evaluation["dequantized"] = _measure_against(_runtime_logits(runtime), reference, "dequantized", progress)
+    return _report(target_dir, staging, opts, config_name, calibration, reference, evaluation, seconds)
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict, key: str):
+    """Add the block's wall time, rounded to 0.1 s, to seconds[key]."""
+    t = time.perf_counter()
+    yield
+    seconds[key] = seconds.get(key, 0) + round(time.perf_counter() - t, 1)
+
+
+def _load_hf_model(target_dir: Path, device: str):
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
     if not getattr(model.config, "architectures", None):  # export_hf_checkpoint needs it
         model.config.architectures = [type(model).__name__]
+    return model
 
-    t = time.perf_counter()
+
+def _measure_reference(model, tokenizer, texts: list[list[int]], prompts: list[list[int]], opts: QuantizeOptions,
+                       progress: bool) -> _Reference:
     eos = _eos_id(model, tokenizer)
     paths = [greedy_path(model, ids, opts.agreement_tokens, eos) for ids in
              tqdm(prompts, desc="greedy reference", disable=not progress, file=sys.stderr)]
-    baseline = measure(_hf_logits(model), texts, paths, None, "unquantized", progress)
-    seconds["reference"] = round(time.perf_counter() - t, 1)
+    return _Reference(texts, paths, measure(_hf_logits(model), texts, paths, None, "unquantized", progress))
 
-    config, config_name = modelopt_config(opts.quant, opts.kv_cache)
-    t = time.perf_counter()
+
+def _measure_against(logits_fn, reference: _Reference, label: str, progress: bool) -> dict:
+    return measure(logits_fn, reference.texts, reference.paths, reference.baseline, label, progress)
+
+
+def _calibrate(model, config: dict, calibration: list[list[int]], opts: QuantizeOptions, progress: bool) -> None:
+    """ModelOpt's max calibration over the calibration texts: the model is quantized in place."""
+    import modelopt.torch.quantization as mtq
 
     def forward_loop(m):
         for ids in tqdm(calibration, desc=f"calibrating {opts.quant}", disable=not progress, file=sys.stderr):
-            m(torch.tensor([ids], device=device))
+            m(torch.tensor([ids], device=opts.device))
 
     with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):
         mtq.quantize(model, config, forward_loop)
-    seconds["calibration"] = round(time.perf_counter() - t, 1)
 
-    evaluation = {}
-    t = time.perf_counter()
-    if opts.quant != "nvfp4" or device != "cpu":  # NVFP4 fake quantization asserts CUDA tensors
-        evaluation["fake_quant"] = measure(_hf_logits(model), texts, paths, baseline, "fake-quantized", progress)
-    seconds["evaluation"] = round(time.perf_counter() - t, 1)
 
-    t = time.perf_counter()
-    export(model, tokenizer, staging, opts.export_dtype)
-    seconds["export"] = round(time.perf_counter() - t, 1)
-    del model
-
-    t = time.perf_counter()
-    runtime = load_target(staging, torch.float32, device)
-    evaluation["dequantized"] = measure(_runtime_logits(runtime), texts, paths, baseline, "dequantized", progress)
-    seconds["evaluation"] += round(time.perf_counter() - t, 1)
+def _report(target_dir: Path, staging: Path, opts: QuantizeOptions, config_name: str, calibration: list[list[int]],
+            reference: _Reference, evaluation: dict, seconds: dict) -> dict:
+    """What was done and measured; quantize_target adds the checkpoint's final path and the total time."""
+    import modelopt
 
     hf_quant = json.loads((staging / "hf_quant_config.json").read_text())["quantization"]
     primary = evaluation.get("fake_quant", evaluation["dequantized"])
+    texts = reference.texts
     return {
         "quant": opts.quant,
         "kv_cache": opts.kv_cache,
@@ -174,8 +196,8 @@ def _quantize(target_dir: Path, staging: Path, tokenizer, opts: QuantizeOptions,
         "calibration": {"dataset": "ShareGPT V3, training split", "samples": len(calibration),
                         "max_tokens": opts.calib_max_tokens, "tokens": sum(map(len, calibration)), "seed": opts.seed},
         "heldout": {"dataset": "ShareGPT V3, held-out split", "texts": len(texts), "tokens": sum(map(len, texts)),
-                    "agreement_prompts": len(paths), "agreement_tokens": opts.agreement_tokens},
-        "unquantized": {"perplexity": baseline["perplexity"]},
+                    "agreement_prompts": len(reference.paths), "agreement_tokens": opts.agreement_tokens},
+        "unquantized": {"perplexity": reference.baseline["perplexity"]},
         # the headline numbers: the GPU's arithmetic where this machine can emulate it, else the dequantized weights
         "perplexity": primary["perplexity"],
         "greedy_agreement": primary["greedy_agreement"],

@@ -10,9 +10,9 @@ import re
 import shutil
 from pathlib import Path
 
-from dflash_runtime.config import DFlashError
+from dflash_contract import DFlashError
+from dflash_contract.layout import TEMPLATES
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
 # The PyTorch-runtime repository: what each user request flows through, in order, and the two front
 # models over them (dflash_bls: the ensemble's pipeline, cancellable).
 TORCH_MODELS = ("preprocessing", "dflash", "postprocessing", "ensemble", "dflash_bls")

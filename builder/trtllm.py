@@ -25,10 +25,10 @@ from pathlib import Path
 
 import yaml
 
-from dflash_runtime.config import DFlashError
+from dflash_contract import DFlashError
+from dflash_contract.layout import TEMPLATES
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE_DIR = REPO_ROOT / "model_repository" / "trtllm"
+TEMPLATE_DIR = TEMPLATES / "trtllm"
 
 # Where each fact below was read (GitHub NVIDIA/TensorRT-LLM, path @ commit).
 UPSTREAM_LLM_ARGS = "tensorrt_llm/llmapi/llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412"
@@ -36,19 +36,6 @@ UPSTREAM_DFLASH_WORKER = "tensorrt_llm/_torch/speculative/dflash.py @ 00679c66c3
 _LLMAPI = "triton_backend/all_models/llmapi/tensorrt_llm"
 UPSTREAM_LLMAPI_MODEL = f"{_LLMAPI}/1/model.py @ 044a90d209e380c95e23e8ae42f3583fa05ada78"
 UPSTREAM_LLMAPI_CONFIG = f"{_LLMAPI}/config.pbtxt @ 0a71057313ec0626527e164a8fc0205c5822e2f5"
-
-# The NGC image nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 ships the LLM-API Triton model
-# (model.py + helpers.py, matched to the tensorrt_llm inside the image) under this directory. We do not
-# copy NVIDIA's model.py into this repository; `install_container_model_files` copies it from the image
-# into a rendered repository at launch time, so the Python code always matches the installed library.
-CONTAINER_LLMAPI_VERSION_DIR = Path("/app/all_models/llmapi/tensorrt_llm/1")
-
-RUNTIME_HELP = (
-    "trtllm: TensorRT-LLM >= 1.3, PyTorch backend, DFlash through the LLM API (DFlashDecodingConfig); "
-    "GPU only. Writes extra_llm_api_options.yaml (trtllm-serve --config) and a Triton LLM-API model "
-    "repository. The legacy trtllm-build engine flow has no DFlash support and is not used."
-)
-
 
 # --- GPU generations and what they can run -----------------------------------------------------------
 
@@ -312,7 +299,8 @@ def render_trtllm_repository(output: Path, options: dict, *, model: str | Path, 
 
     Uses builder/render.py: config.pbtxt is parsed with Triton's ModelConfig protobuf, 1/model.yaml is
     filled with `template_values` and read back to check it is the YAML `model_yaml` describes.
-    model.py / helpers.py are added at launch, inside the serving image (`install_container_model_files`).
+    model.py / helpers.py are NVIDIA's, added at launch by dflash-serve from the serving image
+    (deploy/serve.py, `stage_trtllm_repository`), so they always match the installed tensorrt_llm.
     """
     from builder.render import fill, render_repository
 
@@ -325,29 +313,6 @@ def render_trtllm_repository(output: Path, options: dict, *, model: str | Path, 
     if yaml.safe_load(path.read_text()) != model_yaml(options, model=model, decoupled=decoupled):
         raise DFlashError(f"{path}: rendered model.yaml does not read back as the LLM API options")
     return model_dir
-
-
-def install_container_model_files(version_dir: Path, source_dir: Path = CONTAINER_LLMAPI_VERSION_DIR) -> list[Path]:
-    """Copy the image's LLM-API model code (model.py, helpers.py, ...) next to our model.yaml.
-
-    Run inside nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 before starting tritonserver;
-    `source_dir` points elsewhere for other images. Our model.yaml is never overwritten.
-    """
-    source_dir, version_dir = Path(source_dir), Path(version_dir)
-    if not (source_dir / "model.py").is_file():
-        raise DFlashError(
-            f"{source_dir / 'model.py'} not found: the Triton LLM-API model code comes with the NGC image "
-            "nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 (at /app/all_models/llmapi/tensorrt_llm/1/). "
-            "Run this inside that image, or pass the directory holding model.py and helpers.py from "
-            "TensorRT-LLM's triton_backend/all_models/llmapi/tensorrt_llm/1/ at the tag of the installed tensorrt_llm.")
-    if not (version_dir / "model.yaml").is_file():
-        raise DFlashError(f"{version_dir / 'model.yaml'} not found: render the trtllm model repository first")
-    copied = []
-    for src in sorted(source_dir.glob("*.py")):
-        dst = version_dir / src.name
-        shutil.copyfile(src, dst)
-        copied.append(dst)
-    return copied
 
 
 # --- Validation against the installed tensorrt_llm ---------------------------------------------------

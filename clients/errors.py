@@ -2,15 +2,16 @@
 
 The server's error codes do not survive the trip: a Triton gRPC stream carries an error as a bare
 message (no status code), and through an ensemble an HTTP request reports a full queue as 400 like a
-bad parameter. So the retryable failures are recognised by the phrases the DFlash engine loop uses
-(`dflash_runtime/engine_loop.py`, `QueueFull`), kept here in one place.
+bad parameter. So the retryable failures are recognised by the phrases of dflash_contract.protocol,
+which the server's engine loop uses in its messages.
 """
 from __future__ import annotations
 
-# Phrases of the engine's "retry later" errors: queue full, or shutting down (another replica may answer).
-CAPACITY_PHRASES = ("the server is at capacity", "the server is shutting down")
-CANCELLED_PHRASE = "request cancelled"
-INTERNAL_PHRASE = "internal error"
+from dflash_contract.protocol import (CANCELLED_MESSAGE, CAPACITY_MESSAGE, INTERNAL_ERROR_PREFIX,
+                                      SHUTTING_DOWN_MESSAGE)
+
+# "retry later": queue full, or shutting down (another replica may answer)
+CAPACITY_PHRASES = (CAPACITY_MESSAGE, SHUTTING_DOWN_MESSAGE)
 
 
 class DFlashClientError(Exception):
@@ -53,9 +54,9 @@ def from_server_message(message: str, url: str, http_status: int | None = None) 
     """The exception for an error the server reported (in a gRPC stream, or as an HTTP error body)."""
     if any(phrase in message for phrase in CAPACITY_PHRASES) or http_status == 503:
         return ServerUnavailable(message, url)
-    if CANCELLED_PHRASE in message:
+    if CANCELLED_MESSAGE in message:
         return RequestCancelled(message, url)
-    if INTERNAL_PHRASE in message or (http_status is not None and http_status >= 500):
+    if INTERNAL_ERROR_PREFIX in message or (http_status is not None and http_status >= 500):
         return ServerError(message, url)
     # What is left is a request refused at the door: bad parameters, a bad prompt, missing inputs.
     return InvalidRequest(message, url)

@@ -200,13 +200,14 @@ async def server_vs_in_process(client: AsyncDFlashClient, workload: Workload, bu
     Prompt by prompt, alternating which goes first, so machine noise hits both alike. Greedy only:
     the two must return the same text (checked).
     """
+    from dflash_contract.layout import read_manifest
     from dflash_runtime.pipeline import load_pipeline
     from dflash_runtime.sampling import SamplingParams
 
-    manifest = json.loads((Path(build) / "manifest.json").read_text())
-    drafter = str(Path(build) / "drafter") if manifest["artifacts"]["drafter"] else None
-    pipe = load_pipeline(str(Path(build) / "target"), drafter, manifest["options"]["dtype"])
-    engine = pipe.engine(block_size=manifest["options"]["block_size"], max_batch_size=1)
+    manifest = read_manifest(build)
+    drafter = str(manifest.drafter_dir) if manifest.drafter_dir else None
+    pipe = load_pipeline(str(manifest.target_dir), drafter, manifest.options["dtype"])
+    engine = pipe.engine(block_size=manifest.options["block_size"], max_batch_size=1)
     params = SamplingParams(max_new_tokens=workload.params.max_tokens, ignore_eos=workload.params.end_id == -1,
                             stop_token_ids=() if workload.params.end_id is None else (workload.params.end_id,))
     seconds = {"server": 0.0, "in_process": 0.0}
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if any(level.value <= 0 for level in levels) or args.num_prompts < 1 or args.warmup < 0:
             raise ValueError("levels and --num-prompts must be > 0, --warmup >= 0")
-        from dflash_runtime.benchmark import prompt_set  # the same prompt sets as dflash-bench
+        from dflash_tools.prompts import prompt_set  # the same prompt sets as dflash-bench (no torch)
 
         params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   seed=args.seed if args.temperature > 0 else None,

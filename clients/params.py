@@ -2,7 +2,8 @@
 
 The validation rules are the server's (`dflash_runtime.sampling.SamplingParams`), restated here
 because that module needs torch and a backend service installing only the client should not;
-tests/test_clients.py checks that both accept and refuse the same values.
+tests/test_clients.py checks that both accept and refuse the same values. Stop strings follow
+dflash_contract.protocol's rule.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class GenerationParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None  # same seed, same output (with or without the drafter)
-    stop: tuple[str, ...] = ()  # stop strings; the text ends before the match
+    stop: tuple[str, ...] = ()  # stop strings: generation ends at the token completing one, which the text keeps
     end_id: int | None = None  # replaces the model's end-of-sequence ids (TensorRT-LLM semantics)
 
     def __post_init__(self):

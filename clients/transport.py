@@ -18,6 +18,8 @@ from typing import AsyncIterator, Literal
 
 import numpy as np
 
+from dflash_contract.protocol import FINISH_REASON, FRONT_INPUTS, STATISTICS
+
 from .errors import (DFlashClientError, InvalidRequest, RequestCancelled, RequestTimeout, ServerError,
                      ServerUnavailable, from_server_message)
 from .params import GenerationParams
@@ -29,27 +31,6 @@ Protocol = Literal["grpc", "http"]
 MODEL = "dflash_bls"
 HEALTH_TIMEOUT_S = 5.0
 
-# The front model's input tensors: numpy dtype, Triton dtype (tensorrtllm_backend's names).
-INPUT_TYPES = {
-    "text_input": (np.object_, "BYTES"),
-    "max_tokens": (np.int32, "INT32"),
-    "stream": (np.bool_, "BOOL"),
-    "apply_chat_template": (np.bool_, "BOOL"),
-    "temperature": (np.float32, "FP32"),
-    "top_k": (np.int32, "INT32"),
-    "top_p": (np.float32, "FP32"),
-    "seed": (np.uint64, "UINT64"),
-    "end_id": (np.int32, "INT32"),
-    "stop_words": (np.object_, "BYTES"),
-}
-# Output name -> (SpeculationStats field, type).
-STATS_OUTPUTS = {
-    "total_accepted_draft_tokens": ("accepted_draft_tokens", int),
-    "total_draft_tokens": ("draft_tokens", int),
-    "acceptance_rate": ("acceptance_rate", float),
-    "draft_steps": ("draft_steps", int),
-    "mean_acceptance_length": ("mean_acceptance_length", float),
-}
 
 
 @dataclass(frozen=True)
@@ -173,7 +154,7 @@ class HttpTransport:
                 async for line in reply.content:  # server-sent events: "data: {...}" lines
                     if line.startswith(b"data:"):
                         body = json.loads(line[5:])
-                        response = self._response(body, reply.status, final=bool(body.get("finish_reason")))
+                        response = self._response(body, reply.status, final=bool(body.get(FINISH_REASON)))
                         yield response
                         if response.final:
                             return
@@ -185,7 +166,7 @@ class HttpTransport:
     def _response(self, body: dict, status: int, final: bool) -> Response:
         if "error" in body:  # also inside a 200 event stream
             raise from_server_message(str(body["error"]), self.url, status)
-        return Response(body.get("text_output", ""), body.get("finish_reason") or "", _stats(body.get), final)
+        return Response(body.get("text_output", ""), body.get(FINISH_REASON) or "", _stats(body.get), final)
 
     async def health(self) -> Health:
         from tritonclient.utils import InferenceServerException
@@ -215,15 +196,16 @@ def open_transport(url: str, protocol: Protocol, tls: TLS | None) -> GrpcTranspo
 
 def _grpc_inputs(request: Request) -> list:
     from tritonclient.grpc import InferInput
+    from tritonclient.utils import triton_to_np_dtype
 
     inputs = []
     for name, value in request.fields().items():
-        np_type, triton_type = INPUT_TYPES[name]
+        data_type = FRONT_INPUTS[name]
         values = value if isinstance(value, list) else [value]
-        if np_type is np.object_:
+        if data_type == "BYTES":
             values = [v.encode("utf-8") for v in values]
-        array = np.array([values], dtype=np_type)  # [1, n]: the batch dimension of max_batch_size > 0
-        tensor = InferInput(name, list(array.shape), triton_type)
+        array = np.array([values], dtype=triton_to_np_dtype(data_type))  # [1, n]: the batch dimension
+        tensor = InferInput(name, list(array.shape), data_type)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
@@ -234,16 +216,16 @@ def _grpc_response(result) -> Response:
         value = result.as_numpy(name)
         return None if value is None else value.reshape(-1)[0]
 
-    text, reason = scalar("text_output"), scalar("finish_reason")
+    text, reason = scalar("text_output"), scalar(FINISH_REASON)
     final = result.get_response().parameters["triton_final_response"].bool_param
     return Response((text or b"").decode("utf-8"), (reason or b"").decode("utf-8"), _stats(scalar), final)
 
 
 def _stats(get) -> SpeculationStats:
     """SpeculationStats from get(output name) -> value or None (a flags-only final response has no outputs)."""
-    values = {name: get(name) for name in STATS_OUTPUTS}
-    return SpeculationStats(**{field: kind(values[name]) for name, (field, kind) in STATS_OUTPUTS.items()
-                               if values[name] is not None})
+    values = {s: get(s.tensor) for s in STATISTICS}
+    return SpeculationStats(**{s.field: (float if s.data_type == "FP32" else int)(value)
+                               for s, value in values.items() if value is not None})
 
 
 def _rpc_error(error, url: str) -> DFlashClientError:

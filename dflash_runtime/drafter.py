@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from plugins.kv_injection.torch_op import kv_injection
-
 from .checkpoint import load_weights, read_safetensors
 from .config import DrafterConfig, TargetConfig
 from .kv_cache import KVCache
+from .kv_injection import injected_kv, kv_injection
 from .layers import MLP, AttentionProjections, RMSNorm, Rotary, prepare_for_inference
 
 
@@ -59,6 +58,20 @@ class DFlashDrafter(nn.Module):
         return KVCache(s.num_layers, num_slots, s.num_kv_heads, s.head_dim, capacity,
                        self.dtype, self.fc.weight.device)
 
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """The context vectors KV injection projects: [..., len(target_layer_ids) * hidden] -> [..., hidden]."""
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, layer: int, context: torch.Tensor, positions: torch.Tensor):
+        """Layer `layer`'s injected K/V of context vectors [N, hidden] at positions [N] -> k, v [N, KV, D].
+
+        The op's reference math, differentiable: the training forward uses it where inference writes
+        the same values into the cache with `inject_context`.
+        """
+        attn = self.layers[layer].self_attn
+        return injected_kv(context, attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight,
+                           self.rotary.inverse_frequencies(context.device), positions, attn.k_norm.eps)
+
     def inject_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        slots: torch.Tensor) -> None:
         """KV injection: write the context K/V of target features at their absolute positions.
@@ -67,33 +80,37 @@ class DFlashDrafter(nn.Module):
         the caller commits how many of the T positions are real context with cache.crop.
         """
         cache.check_positions(positions)
-        context = self.hidden_norm(self.fc(features)).flatten(0, 1)  # [B * T, hidden]
+        context = self.context(features).flatten(0, 1)  # [B * T, hidden]
         token_positions = positions.flatten()
         token_slots = slots[:, None].expand_as(positions).flatten()
-        inv_freq = self.rotary.inv_freq.to(context.device)
+        inv_freq = self.rotary.inverse_frequencies(context.device)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             kv_injection(context, attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight, inv_freq,
                          token_positions, token_slots, cache.k[i], cache.v[i], attn.k_norm.eps)
 
+    def draft(self, h: torch.Tensor, positions: torch.Tensor, context_kv, mask: torch.Tensor) -> torch.Tensor:
+        """The draft layers over block embeddings h [B, Q, hidden] at positions [B, Q].
+
+        context_kv(layer) -> that layer's context k, v [B, KV, L, D]; mask [B, 1, Q, L + Q] (True = visible).
+        Returns the final-normed hidden states; the target's LM head turns them into draft tokens.
+        """
+        cos, sin = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, *context_kv(i), mask)
+        return self.norm(h)
+
     def forward(self, block_embeddings: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor) -> torch.Tensor:
-        """Draft one block per sequence. block_embeddings: [B, S, hidden]; positions: [B, S].
-
-        Returns the final-normed hidden states [B, S, hidden]; the target's LM head turns positions
-        1..S-1 into draft tokens. The block's own K/V never enter the cache.
-        """
+        """Draft one block per sequence from the cached context. block_embeddings: [B, S, hidden];
+        positions: [B, S]. The block's own K/V never enter the cache."""
         context_lengths = cache.lengths[slots]
         length = int(context_lengths.max())
-        cos, sin = self.rotary(positions, block_embeddings.dtype)
         in_context = torch.arange(length, device=positions.device)[None, :] < context_lengths[:, None]
         in_block = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         mask = torch.cat([in_context, in_block], dim=1)[:, None, None, :]  # [B, 1, 1, L + S]
-        h, rows = block_embeddings, cache.rows(slots)
-        for i, layer in enumerate(self.layers):
-            context_k, context_v = cache.read(i, rows, length)
-            h = layer(h, cos, sin, context_k, context_v, mask)
-        return self.norm(h)
+        rows = cache.rows(slots)
+        return self.draft(block_embeddings, positions, lambda i: cache.read(i, rows, length), mask)
 
 
 def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:

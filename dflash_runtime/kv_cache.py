@@ -45,10 +45,6 @@ class KVCache:
         return (self.k[layer][:, :, :length].index_select(0, rows),
                 self.v[layer][:, :, :length].index_select(0, rows))
 
-    def append_positions(self, slots: torch.Tensor, count: int) -> torch.Tensor:
-        # -> [B, count]: the next `count` positions after each slot's committed length.
-        return self.lengths[slots][:, None] + torch.arange(count, device=self.lengths.device)
-
     def crop(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
         """Commit (or roll back to) `lengths` tokens per slot."""
         self.lengths[slots] = lengths

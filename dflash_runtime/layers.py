@@ -94,11 +94,15 @@ class Rotary:
     def __init__(self, rope: RopeConfig, head_dim: int):
         self.inv_freq = rope.inverse_frequencies(head_dim)
 
+    def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
+        # [head_dim / 2], moved to the model's device once and kept there
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        return self.inv_freq
+
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] -> cos, sin: [B, 1, T, head_dim]
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * self.inv_freq
+        freqs = positions[..., None].float() * self.inverse_frequencies(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

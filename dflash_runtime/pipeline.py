@@ -7,9 +7,11 @@ from pathlib import Path
 import torch
 
 from .config import DFlashError
+from dflash_contract.presets import Preset
+
+from .checkpoint import resolve_checkpoint, resolve_target
 from .drafter import DFlashDrafter, load_drafter
 from .engine import SpeculativeEngine
-from .presets import Preset, resolve_checkpoint, resolve_target
 from .target import TargetModel, load_target
 from .text import decode, encode_prompt, load_tokenizer
 

@@ -97,18 +97,22 @@ class SamplingStats:
 
     acceptance_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per verify step
     accepted_by_position: list[int] = field(default_factory=list)  # k -> steps whose draft k was accepted
+    draft_tokens: int = 0  # drafts proposed
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
-    def record(self, accepted: int, block_size: int) -> None:
+    def record(self, accepted: int, drafted: int) -> None:
+        """One verify step: `drafted` draft tokens proposed, the first `accepted` of them accepted."""
         self.acceptance_lengths.append(accepted + 1)
-        self._extend_positions(block_size - 1)
+        self.draft_tokens += drafted
+        self._extend_positions(drafted)
         for k in range(accepted):
             self.accepted_by_position[k] += 1
 
     def merge(self, other: "SamplingStats") -> None:
         """Add another request's statistics (for a summary over many requests)."""
         self.acceptance_lengths += other.acceptance_lengths
+        self.draft_tokens += other.draft_tokens
         self._extend_positions(len(other.accepted_by_position))
         for k, count in enumerate(other.accepted_by_position):
             self.accepted_by_position[k] += count
@@ -117,6 +121,14 @@ class SamplingStats:
 
     def _extend_positions(self, n: int) -> None:
         self.accepted_by_position += [0] * max(0, n - len(self.accepted_by_position))
+
+    @property
+    def draft_steps(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def accepted_draft_tokens(self) -> int:
+        return sum(self.acceptance_lengths) - self.draft_steps
 
     @property
     def mean_acceptance_length(self) -> float:

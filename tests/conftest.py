@@ -15,7 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from builder.train_drafter import block_loss, new_drafter, target_features  # noqa: E402
+from dflash_training.train_drafter import block_loss, new_drafter, target_features  # noqa: E402
 from dflash_runtime import SamplingParams, SpeculativeEngine, load_drafter, load_target, save_drafter  # noqa: E402
 
 VOCAB = 128

@@ -3,12 +3,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from builder.build import BuildOptions, build, file_hashes, main
+from builder.build import BuildOptions, build, main
 from builder.render import parse_model_config
-from dflash_runtime.config import DFlashError
+from dflash_contract import DFlashError, layout
+from dflash_contract.layout import TEMPLATES, build_key, file_hashes, read_manifest
+from dflash_contract.protocol import ENGINE_INPUTS, FINISH_REASON, FRONT_INPUTS, STATISTICS, TOKEN_OUTPUTS, config_type
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_default_build_is_complete_and_reused(default_build, capsys):
@@ -113,3 +121,66 @@ def test_build_can_train_its_drafter_first(tmp_path, monkeypatch, capsys):
                  ["--train-drafter=--steps 1", "--kv-cache", "fp8"]):
         assert main([*argv, "--output", str(tmp_path / "bad")]) == 2, argv
     assert not (tmp_path / "bad").exists() and not (tmp_path / "runs").exists()  # refused before any training
+
+
+def test_a_template_change_redoes_the_build(tiny, tmp_path):
+    # The build key once hashed options and checkpoints only: after an edit of a model-repository
+    # template, build.py reused the old build and the old model.py was served. Run the builder of a
+    # copy of the code, whose templates the test may edit.
+    checkout = tmp_path / "checkout"
+    for name in ("builder", "dflash_contract", "dflash_runtime", "dflash_serving", "dflash_tools", "model_repository"):
+        shutil.copytree(REPO / name, checkout / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", checkout)
+    output = tmp_path / "build"
+    command = [sys.executable, str(checkout / "builder" / "build.py"), "--target", str(tiny[0]), "--drafter",
+               str(tiny[1]), "--sanity-tokens", "0", "--output", str(output)]
+
+    def run_build() -> tuple[str, str]:
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        return out, read_manifest(output).data["build_key"]
+
+    _, first = run_build()
+    out, again = run_build()
+    assert "reused" in out and again == first
+    template = checkout / "model_repository" / "postprocessing" / "1" / "model.py"
+    template.write_text(template.read_text() + "# edited\n")
+    out, edited = run_build()
+    assert "reused" not in out and edited != first
+    assert (output / "model_repository" / "postprocessing" / "1" / "model.py").read_text().endswith("# edited\n")
+
+
+def test_the_build_key_covers_options_inputs_templates_and_version(monkeypatch):
+    key = build_key({"quant": "none"}, {"target": {"config.json": "0"}})
+    assert key == build_key({"quant": "none"}, {"target": {"config.json": "0"}})
+    assert key != build_key({"quant": "fp8"}, {"target": {"config.json": "0"}})
+    assert key != build_key({"quant": "none"}, {"target": {"config.json": "1"}})
+    monkeypatch.setattr(layout, "project_version", lambda: "99.0")
+    assert key != build_key({"quant": "none"}, {"target": {"config.json": "0"}})
+
+
+@pytest.mark.parametrize("model", ["ensemble", "dflash_bls"])
+def test_front_models_declare_the_contract_tensors(model):
+    # one list of names and types (dflash_contract.protocol) for the templates, the models and the clients
+    text = (TEMPLATES / model / "config.pbtxt").read_text().replace("${max_batch_size}", "8")
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse(text, model_config_pb2.ModelConfig())
+    types = model_config_pb2.DataType.Name
+    assert {t.name: types(t.data_type) for t in config.input} == {
+        name: config_type(kind) for name, kind in FRONT_INPUTS.items()}
+    required = {t.name for t in config.input if not t.optional}
+    assert required == {"text_input", "max_tokens"}
+    assert {t.name: types(t.data_type) for t in config.output} == {
+        "text_output": "TYPE_STRING", FINISH_REASON: "TYPE_STRING",
+        **{s.tensor: config_type(s.data_type) for s in STATISTICS}}
+
+
+def test_the_engine_model_declares_the_contract_tensors():
+    text = (TEMPLATES / "dflash" / "config.pbtxt").read_text()
+    outputs = text[text.index("output ["):]
+    for name in (*TOKEN_OUTPUTS, FINISH_REASON, *(s.tensor for s in STATISTICS)):
+        assert f'name: "{name}"' in outputs, name
+    inputs = text[text.index("input ["):text.index("output [")]
+    for name in (*ENGINE_INPUTS, "input_ids", "stream", "stop"):
+        assert f'name: "{name}"' in inputs, name

@@ -81,16 +81,14 @@ def test_rope_base_is_read_from_either_transformers_spelling():
         read_rope({"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "x")
 
 
-def test_kv_cache_append_crop_and_ragged_reads():
+def test_kv_cache_write_crop_and_ragged_reads():
     cache = KVCache(num_layers=1, num_slots=3, num_kv_heads=2, head_dim=4, capacity=8, dtype=torch.float32)
     slots = torch.tensor([2, 0])
-    positions = cache.append_positions(slots, 3)
-    assert positions.tolist() == [[0, 1, 2], [0, 1, 2]]
+    positions = torch.tensor([[0, 1, 2], [0, 1, 2]])
     kv = torch.arange(2 * 3 * 2 * 4, dtype=torch.float32).view(2, 3, 2, 4)
     cache.write(0, slots, positions, kv, -kv)
     cache.crop(slots, torch.tensor([3, 1]))  # slot 0 rolls back two rejected tokens
     assert cache.lengths.tolist() == [1, 0, 3]
-    assert cache.append_positions(slots, 2).tolist() == [[3, 4], [1, 2]]
     k, v = cache.read(0, cache.rows(torch.tensor([0, 2])), 3)
     assert k.shape == (2, 2, 3, 4)
     assert torch.equal(k[1].transpose(0, 1), kv[0]) and torch.equal(v[0, :, 0], -kv[1, 0])

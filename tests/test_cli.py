@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import hf_greedy
-from dflash_runtime.cli import main
+from dflash_tools.cli import main
 
 
 def generate(capsys, *argv):

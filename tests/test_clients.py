@@ -6,7 +6,6 @@ with prompts whose answers run past them (finish_reason "length" is then certain
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import math
@@ -21,7 +20,7 @@ import pytest
 from clients import (AsyncDFlashClient, DFlashClient, GenerationParams, IncompleteResponse, InvalidRequest,
                      RequestCancelled, RequestTimeout, RetryPolicy, ServerUnavailable)
 from clients import cli, loadbench
-from clients.errors import CAPACITY_PHRASES, ServerError, from_server_message
+from clients.errors import ServerError, from_server_message
 from clients.params import prompt_text
 from clients.results import TextChunk, Timings
 from deploy.serve import free_port
@@ -79,11 +78,6 @@ def test_prompt_forms():
 
 
 def test_server_messages_map_to_exceptions():
-    from dflash_runtime import engine_loop
-
-    # The retryable errors are recognised by the engine loop's own phrases: keep both sides in step.
-    source = inspect.getsource(engine_loop)
-    assert all(phrase in source for phrase in CAPACITY_PHRASES)
     url = "host:1"
     busy = "in ensemble 'ensemble', the server is at capacity (8 running, 64 queued, queue limit 64); retry later"
     assert isinstance(from_server_message(busy, url, http_status=400), ServerUnavailable)
@@ -91,6 +85,43 @@ def test_server_messages_map_to_exceptions():
                       InvalidRequest)
     assert type(from_server_message("internal error while decoding: RuntimeError: boom", url)) is ServerError
     assert isinstance(from_server_message("request cancelled", url), RequestCancelled)
+
+
+def test_the_engine_loop_speaks_the_phrases_clients_retry_on(tiny):
+    # The retryable errors are recognised by phrases (dflash_contract.protocol): the engine loop's real
+    # refusals (full, then shutting down) must map to ServerUnavailable.
+    import threading
+
+    from dflash_runtime import SamplingParams, SpeculativeEngine, load_target
+    from dflash_serving.engine_loop import EngineLoop, QueueFull
+
+    target = load_target(tiny[0])
+    release = threading.Event()
+
+    class HeldStream:  # its first chunk waits, so its request keeps the engine's only slot
+        def send(self, chunk):
+            release.wait(60)
+
+        def fail(self, message):
+            pass
+
+        def is_cancelled(self):
+            return False
+
+    loop = EngineLoop(lambda: SpeculativeEngine(target, None, max_batch_size=1), max_queue_size=0)
+    errors = []
+    try:
+        loop.submit([1, 2, 3], SamplingParams(max_new_tokens=64, ignore_eos=True), HeldStream())
+        for _ in range(2):
+            with pytest.raises(QueueFull) as refused:
+                loop.submit([1, 2, 3], SamplingParams(max_new_tokens=4), HeldStream())
+            errors.append(str(refused.value))
+            loop.drain(60)
+    finally:
+        release.set()
+        loop.stop()
+    assert "capacity" in errors[0] and "shutting down" in errors[1]
+    assert all(isinstance(from_server_message(e, "host:1"), ServerUnavailable) for e in errors)
 
 
 def test_the_library_needs_no_torch():
@@ -141,6 +172,20 @@ def test_streaming_and_non_streaming_return_the_same_text(grpc_client, http_clie
     assert http_client.generate(STORY, params, stream=True).text == whole.text
     raw = grpc_client.generate("def fibonacci(n):", GenerationParams(max_tokens=12), chat=False)
     assert raw.text and raw.finish_reason == "length"
+
+
+def test_stop_strings_mean_the_same_through_the_server_and_dflash_generate(grpc_client, http_client, capsys):
+    # dflash_contract.protocol's rule: generation ends at the token that completes a stop string, and the
+    # text keeps that token. Once, the CLI cut the text before the match while the server kept it.
+    from dflash_tools.cli import main as generate
+
+    question = "What is the capital of France? Answer in one sentence."
+    params = GenerationParams(max_tokens=24, stop=("Paris",))
+    served = grpc_client.generate(question, params)
+    assert served.finish_reason == "stop" and served.text.endswith("Paris")
+    assert http_client.generate(question, params, stream=True).text == served.text
+    assert generate(["--prompt", question, "--max-new-tokens", "24", "--stop", "Paris", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == served.text
 
 
 def test_async_client_serves_eight_concurrent_calls(default_server):

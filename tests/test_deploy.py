@@ -5,7 +5,7 @@ against the Kubernetes API schemas (kubernetes-validate, strict); the Prometheus
 (ServiceMonitor, PrometheusRule), whose schemas kubernetes-validate does not carry, and the
 prometheus-adapter rules are checked structurally against each other and the HPA; checkov runs on the
 manifests and the Dockerfiles; ports, probes and paths are checked against what the launcher
-(deploy/serve.py) and the builder (builder/build.py) actually use.
+and the builder actually use (dflash_contract, builder/options.py).
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from builder.build import MANIFEST_FILE, REPOSITORY_DIR
 from deploy.k8s import render
 from deploy.k8s.render import RenderError, load_values
-from deploy.serve import LIVE_PATH, METRICS_PATH, PORTS, READY_PATH, SHUTDOWN_SECONDS
-from dflash_runtime.presets import PRESETS
+from dflash_contract.layout import MANIFEST_FILE, REPOSITORY_DIR
+from dflash_contract.presets import PRESETS
+from dflash_contract.server import LIVE_PATH, METRICS_PATH, PORTS, READY_PATH, SHUTDOWN_SECONDS
 
 REPO = Path(__file__).resolve().parent.parent
 OVERLAYS = {"default": [], **{p.stem: [p] for p in sorted((REPO / "deploy/k8s/values").glob("*.yaml"))}}
@@ -319,7 +319,7 @@ def test_the_images_agree_with_the_manifests(rendered, kind):
     health = next(a for i, a in steps if i == "HEALTHCHECK")
     assert f"localhost:{PORTS['http']}{READY_PATH}" in health
     entrypoint = json.loads(next(a for i, a in steps if i == "ENTRYPOINT"))
-    assert entrypoint == [render.COMMANDS[kind]]
+    assert entrypoint == [render.SERVER_COMMAND]
     manifest = next(r for r in rendered.values() if r.values["image"]["kind"] == kind)
     assert server_container(manifest)["command"][0] == entrypoint[0]
     cmd = json.loads(next(a for i, a in steps if i == "CMD"))
@@ -328,9 +328,13 @@ def test_the_images_agree_with_the_manifests(rendered, kind):
         assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-trtllm-python-py3", base), base
     # every COPY source exists and is let through by the Dockerfile's own .dockerignore
     ignore = path.with_name(path.name + ".dockerignore").read_text().split()
-    for source in (s for i, a in steps if i == "COPY" for s in shlex.split(a)[:-1]):
+    copied = [s for i, a in steps if i == "COPY" for s in shlex.split(a)[:-1]]
+    for source in copied:
         assert (REPO / source).exists(), f"{path.name} copies {source}, which does not exist"
         assert f"!{source}" in ignore, f"{source} is excluded from the build context by .dockerignore"
+    # and every package of the project is copied (the editable install finds what is there)
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")}
+    assert packages <= {source.rstrip("/") for source in copied}, packages
 
 
 # --- bad input ---------------------------------------------------------------------------------------

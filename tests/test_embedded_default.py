@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dflash_runtime import SamplingParams
-from dflash_runtime.cli import main
+from dflash_tools.cli import main
 from dflash_runtime.pipeline import load_pipeline
-from dflash_runtime.presets import PRESETS
+from dflash_contract.presets import PRESETS
 
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a Python function that adds two numbers."]
 
@@ -42,15 +42,17 @@ def test_generate_command_answers_through_the_chat_template(capsys):
     assert result["finish_reason"] == "stop" and result["output_ids"][-1] == 2  # <|im_end|>
 
 
-def test_stop_string_ends_generation_and_is_cut_from_the_text(capsys):
+def test_stop_string_ends_generation_and_stays_in_the_text(capsys):
+    # dflash_contract.protocol's rule, the server's too: generation ends at the token completing the stop
+    # string, and the text keeps that token
     assert main(["--prompt", QUESTIONS[0], "--max-new-tokens", "24", "--stop", "Paris", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["finish_reason"] == "stop"
-    assert "Paris" not in result["text"] and result["text"].startswith("The capital of France is")
+    assert result["finish_reason"] == "stop" and result["output_ids"][-1] != 2  # not the end-of-sequence token
+    assert result["text"].startswith("The capital of France is") and result["text"].endswith("Paris")
 
 
 def test_benchmark_reports_side_by_side_and_checks_identity(tmp_path, capsys):
-    from dflash_runtime.benchmark import main as bench
+    from dflash_tools.benchmark import main as bench
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Name three colors."}\n')

@@ -7,6 +7,8 @@ import torch
 from conftest import BLOCK, EOS, PROMPTS, VOCAB, hf_greedy, load_pair
 from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine
 from dflash_runtime.sampling import choose_tokens
+from dflash_runtime.scheduler import Occupancy, Scheduler
+from dflash_runtime.sequence import Sequence, Status
 
 NEW = 48
 _reference: dict = {}
@@ -130,14 +132,38 @@ def test_cancel_frees_the_slot_and_spares_the_others(tiny):
     keep, drop = engine.add_request(PROMPTS[0], params), engine.add_request(PROMPTS[1], params)
     engine.step()
     engine.cancel(drop)
-    assert drop.finish_reason == "cancelled" and len(engine.free_slots) == 1
+    assert drop.finish_reason == "cancelled" and engine.occupancy().free_slots == 1
     waiting = engine.add_request(PROMPTS[2], params)
     while engine.has_unfinished():
         engine.step()
     solo = SpeculativeEngine(target, drafter, block_size=BLOCK)
     assert keep.output_ids == solo.generate([PROMPTS[0]], params)[0].output_ids
     assert waiting.output_ids == solo.generate([PROMPTS[2]], params)[0].output_ids
-    assert sorted(engine.free_slots) == [0, 1]
+    assert engine.occupancy() == Occupancy(running=0, waiting=0, free_slots=2, committed_tokens=0, token_capacity=2 * engine.max_context)
+
+
+def test_scheduler_admits_into_free_slots_and_frees_them():
+    scheduler = Scheduler(num_slots=2, tokens_per_slot=10)
+    first, second, third = (Sequence([1, 2, 3], SamplingParams()) for _ in range(3))
+    for seq in (first, second, third):
+        scheduler.add(seq)
+    admitted = []
+    for seq in scheduler.admit():  # finishing in "prefill" hands the slot to the next in line at once
+        admitted.append(seq)
+        if seq is first:
+            scheduler.finish(seq, "length")
+    assert admitted == [first, second, third] and first.slot is None and first.finish_reason == "length"
+    assert scheduler.batch() == [third, second]  # slot order: second reused first's slot 1, third got slot 0
+    assert scheduler.occupancy() == Occupancy(running=2, waiting=0, free_slots=0, committed_tokens=6, token_capacity=20)
+    assert scheduler.occupancy().kv_cache_utilization == 0.3
+    waiting = Sequence([4], SamplingParams())
+    scheduler.add(waiting)
+    scheduler.finish(waiting, "cancelled")
+    scheduler.finish(second, "cancelled")
+    assert waiting.status is second.status is Status.FINISHED and scheduler.free_slots == [1]
+    assert scheduler.has_unfinished() and scheduler.occupancy().waiting == 0
+    scheduler.finish(third, "stop")
+    assert not scheduler.has_unfinished() and sorted(scheduler.free_slots) == [0, 1]
 
 
 def test_bad_requests_are_rejected_clearly(tiny):

@@ -8,8 +8,8 @@ import pytest
 from conftest import PROMPTS, load_pair
 from dflash_runtime import SamplingParams
 from dflash_runtime.config import DFlashError
-from dflash_runtime import engine_loop
-from dflash_runtime.engine_loop import EngineLoop, QueueFull
+from dflash_serving import engine_loop
+from dflash_serving.engine_loop import EngineLoop, QueueFull
 
 
 class Collector:
@@ -92,7 +92,7 @@ def test_cancelled_request_frees_its_slot_and_others_continue(tiny, monkeypatch)
         assert cancelled.done.wait(60) and cancelled.error == "request cancelled"
         assert other.done.wait(60) and other.error is None and len(other.output_ids()) == 60
         assert sum(r.cancelled for r in reports) == 1
-        assert len(engine.free_slots) == 2 and not engine.running and reports[-1].active == 0
+        assert engine.occupancy().free_slots == 2 and engine.occupancy().running == 0 and reports[-1].active == 0
     finally:
         loop.stop()
 
@@ -125,7 +125,7 @@ def test_drain_refuses_new_requests_and_ends_running_ones_with_an_error(tiny):
         with pytest.raises(QueueFull, match="shutting down"):
             loop.submit(PROMPTS[1], SamplingParams(max_new_tokens=5), Collector())
         assert loop.drained.wait(30) and "shutting down" in stream.error  # drained: the error was sent
-        assert not engine.running and len(engine.free_slots) == 2
+        assert engine.occupancy().running == 0 and engine.occupancy().free_slots == 2
     finally:
         loop.stop()
 

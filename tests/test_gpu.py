@@ -7,7 +7,7 @@ import torch
 from conftest import BLOCK, PROMPTS
 from dflash_runtime import SamplingParams, SpeculativeEngine, load_drafter, load_target
 from dflash_runtime.config import RopeConfig
-from plugins.kv_injection import kv_injection_reference
+from dflash_runtime.kv_injection import kv_injection_reference
 from test_kv_injection import SHAPES, new_cache, ragged_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
 def test_triton_kernel_on_the_gpu_matches_the_reference(shape, dtype, tolerance):
-    from plugins.kv_injection.triton_kernel import kv_injection_triton
+    from dflash_runtime.kv_injection.triton_kernel import kv_injection_triton
 
     hidden, kv_heads, head_dim, base = SHAPES[shape]
     batch = ragged_batch(hidden, kv_heads, head_dim, dtype)

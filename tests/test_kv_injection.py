@@ -13,8 +13,8 @@ import torch
 from dflash_runtime.config import DrafterConfig, RopeConfig, TransformerShape
 from dflash_runtime.drafter import DFlashDrafter
 from dflash_runtime.kv_cache import KVCache
-from plugins.kv_injection import kv_injection_reference
-from plugins.kv_injection.torch_op import kv_injection
+from dflash_runtime.kv_injection import kv_injection_reference
+from dflash_runtime.kv_injection import kv_injection
 
 # (hidden, kv_heads, head_dim, rope base): the embedded default's drafter and Qwen3-8B's
 SHAPES = {"smollm2-135m": (576, 3, 64, 100000.0), "qwen3-8b": (4096, 8, 128, 1000000.0)}
@@ -74,8 +74,8 @@ INTERPRETER_CHECK = textwrap.dedent("""
     sys.path[:0] = [{tests!r}, {repo!r}]
     from test_kv_injection import SHAPES, ragged_batch, new_cache
     from dflash_runtime.config import RopeConfig
-    from plugins.kv_injection import kv_injection_reference
-    from plugins.kv_injection.triton_kernel import kv_injection_triton
+    from dflash_runtime.kv_injection import kv_injection_reference
+    from dflash_runtime.kv_injection.triton_kernel import kv_injection_triton
     for shape, (hidden, kv_heads, head_dim, base) in SHAPES.items():
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             batch = ragged_batch(hidden, kv_heads, head_dim, dtype)

@@ -181,8 +181,8 @@ def test_kv_cache_only_export_keeps_the_weights(target, tmp_path):
 
 
 @pytest.mark.parametrize("quant,kv_cache,kwargs,message", [
-    ("int3", "fp8", {}, "unsupported quantization 'int3'"),
-    ("fp8", "int4", {}, "unsupported KV-cache quantization 'int4'"),
+    ("int3", "fp8", {}, "unknown quantization 'int3'"),
+    ("fp8", "int4", {}, "unknown KV-cache quantization 'int4'"),
     ("none", "none", {}, "nothing to quantize"),
     ("fp8", "fp8", {"calib_samples": 0}, "at least 1"),
 ])

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from builder.train_drafter import CachedSequence, block_loss, main, new_drafter, target_features
-from conftest import BLOCK, MASK, PROMPTS
+from conftest import BLOCK, MASK, PROMPTS, REPO
 from dflash_runtime import SamplingParams, SpeculativeEngine, load_target
 from dflash_runtime.pipeline import load_pipeline
+from dflash_training.train_drafter import CachedSequence, block_loss, main, new_drafter, target_features
 
 
 @pytest.mark.parametrize("soft_labels", [False, True], ids=["argmax labels", "distribution labels"])
@@ -69,8 +71,8 @@ def test_trainer_checkpoints_resumes_and_exports_a_lossless_drafter(tmp_path, ca
 
 
 def test_target_responses_are_its_greedy_output_resume_and_train_a_drafter(tmp_path, capsys):
-    """drafter_data.py on the embedded default: greedy responses, appended and resumed; the trainer reads them."""
-    from builder import drafter_data
+    """dflash-drafter-data on the embedded default: greedy responses, appended and resumed; the trainer reads them."""
+    from dflash_training import drafter_data
 
     data = tmp_path / "data"
     common = ["--output", str(data), "--max-new-tokens", "6", "--batch-size", "2", "--max-prompt-tokens", "64"]
@@ -131,3 +133,14 @@ def test_blocks_start_at_the_first_anchor(tiny):
     assert counted.tolist() == [8.0] + [0.0] * (BLOCK - 2)
     _, _, counted = block_loss(*common, torch.Generator().manual_seed(0))
     assert counted[1:].sum() > 0
+
+
+@pytest.mark.parametrize("script, command", [("train_drafter", "dflash-train-drafter"),
+                                             ("drafter_data", "dflash-drafter-data")])
+def test_builder_scripts_still_run_and_name_the_new_command(script, command):
+    """`python builder/<script>.py` was the public command: it warns and runs the new one."""
+    run = subprocess.run([sys.executable, f"builder/{script}.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.splitlines()[0] == (f"builder/{script}.py is deprecated: use {command} "
+                                          f"(or python -m dflash_training.{script})")
+    assert run.stdout.startswith(f"usage: {command} ")

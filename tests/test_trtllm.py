@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import string
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -17,11 +18,12 @@ import pytest
 import yaml
 
 from builder import trtllm
-from builder.trtllm import (GPUS, TrtllmOptions, check_gpu_support, install_container_model_files, llm_api_options,
+from builder.trtllm import (GPUS, TrtllmOptions, check_gpu_support, llm_api_options,
                             model_yaml, recommended_quantization, render_trtllm_repository, resolve_gpu,
                             serve_command, template_values, validate_llm_args, write_extra_llm_api_options)
-from dflash_runtime.config import DFlashError
-from dflash_runtime.presets import PRESETS
+from deploy import serve
+from dflash_contract import DFlashError
+from dflash_contract.presets import PRESETS
 
 # Upstream names, read in NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py
 # @ 0004396720054fd8e205cbf616f21f0b57c6b412 (only the fields this project writes; the classes have more).
@@ -172,7 +174,7 @@ def test_render_with_the_builders_renderer(tmp_path):
 
 
 def test_quantization_names_match_the_quantizer():
-    from builder.quantize import KV_CACHE_FORMATS, QUANT_FORMATS
+    from builder.options import KV_CACHE_FORMATS, QUANT_FORMATS
 
     assert set(trtllm.QUANTIZATION_MIN_SM) == set(QUANT_FORMATS)
     for kv in KV_CACHE_FORMATS:
@@ -205,21 +207,29 @@ def test_template_directory_holds_no_nvidia_code():
     assert "$" not in (trtllm.TEMPLATE_DIR / "README.md").read_text()
 
 
-def test_container_model_files_are_copied_next_to_model_yaml(tmp_path):
+def test_dflash_serve_adds_the_image_model_code_to_a_trtllm_repository(tmp_path):
+    # Before: nothing added the LLM-API model.py to a --runtime trtllm repository, so it never loaded.
     image = tmp_path / "app" / "all_models" / "llmapi" / "tensorrt_llm" / "1"
     image.mkdir(parents=True)
     (image / "model.py").write_text("# model\n")
     (image / "helpers.py").write_text("# helpers\n")
     (image / "model.yaml").write_text("model: upstream-example\n")
-    version = tmp_path / "repo" / "tensorrt_llm" / "1"
-    version.mkdir(parents=True)
-    (version / "model.yaml").write_text("model: ours\n")
-    copied = install_container_model_files(version, source_dir=image)
-    assert [p.name for p in copied] == ["helpers.py", "model.py"]
-    assert (version / "model.yaml").read_text() == "model: ours\n"
-    with pytest.raises(DFlashError, match="tritonserver:<yy.mm>-trtllm-python-py3"):
-        install_container_model_files(version, source_dir=tmp_path / "nowhere")
-    assert trtllm.CONTAINER_LLMAPI_VERSION_DIR == Path("/app/all_models/llmapi/tensorrt_llm/1")
+    repository = tmp_path / "build" / "model_repository"
+    trtllm.render_trtllm_repository(repository, llm_api_options(drafter="/d", block_size=16), model="/t")
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    staged = serve.stage_trtllm_repository(repository, runtime, image)
+    version = staged / "tensorrt_llm" / "1"
+    assert sorted(p.name for p in version.iterdir()) == ["helpers.py", "model.py", "model.yaml"]
+    assert (version / "model.py").read_text() == "# model\n"
+    assert (version / "model.yaml").read_text() == (repository / "tensorrt_llm" / "1" / "model.yaml").read_text()
+    assert not (repository / "tensorrt_llm" / "1" / "model.py").exists()  # the build stays as it was
+    assert serve.stage_trtllm_repository(staged, runtime, image) == staged  # code present: served as it is
+    with pytest.raises(serve.ServeError, match="tritonserver:<yy.mm>-trtllm-python-py3"):
+        serve.stage_trtllm_repository(repository, tmp_path, tmp_path / "nowhere")
+    assert serve.TRTLLM_MODEL_CODE == Path("/app/all_models/llmapi/tensorrt_llm/1")
+    assert "--trtllm-model-code" in subprocess.run([sys.executable, "-m", "deploy.serve", "--help"], capture_output=True,
+                                                   text=True, check=True, cwd=trtllm.TEMPLATE_DIR.parents[1]).stdout
 
 
 # --- GPU generation x quantization ------------------------------------------------------------------

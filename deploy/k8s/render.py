@@ -5,8 +5,8 @@
     kubectl apply -f rendered/
 
 A small renderer rather than Helm or kustomize because the facts the manifests must agree with live
-in Python: ports, probe paths and the drain timeout in deploy/serve.py, the build layout and flags in
-builder/build.py, each preset's checkpoints in dflash_runtime/presets.py. They are imported here, not
+in Python: ports, probe paths, the drain timeout, the build layout and the presets in dflash_contract,
+the builder's flags in builder/options.py (none of them imports torch). They are imported here, not
 retyped, and values that make no sense are refused with a message before anything is written.
 
 Writes one file per resource (kubectl applies them in file-name order) and, under prometheus-adapter/,
@@ -28,9 +28,10 @@ import yaml
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from builder.build import MANIFEST_FILE, REPOSITORY_DIR, build_parser
-from deploy.serve import LIVE_PATH, METRICS_PATH, PORTS, READY_PATH, SHUTDOWN_SECONDS
-from dflash_runtime.presets import PRESETS, REPO_ROOT
+from builder.options import build_parser
+from dflash_contract.layout import MANIFEST_FILE, REPO_ROOT, REPOSITORY_DIR
+from dflash_contract.presets import PRESETS
+from dflash_contract.server import LIVE_PATH, METRICS_PATH, PORTS, READY_PATH, SHUTDOWN_SECONDS
 
 DEFAULTS = Path(__file__).resolve().parent / "values.yaml"
 # The model store (PVC) is mounted here in the build Job and the servers: build B is <MODEL_STORE>/B,
@@ -40,9 +41,10 @@ HF_HOME = f"{MODEL_STORE}/.hf-cache"  # downloaded checkpoints survive rebuilds
 DFLASH_CACHE = f"{MODEL_STORE}/.dflash-cache"  # the embedded GGUF target, converted once
 HF_TOKEN_DIR = "/var/run/secrets/huggingface"
 APP_UID = 10001  # the user deploy/docker/Dockerfile and Dockerfile.cpu create
-# The entrypoint of each image kind: dflash-serve in both, for its drain on SIGTERM (in-flight streams
-# end with a final response); it runs the container's own tritonserver where there is one.
-COMMANDS = {"gpu": "dflash-serve", "cpu": "dflash-serve"}
+# Both image kinds run dflash-serve, for its drain on SIGTERM (in-flight streams end with a final
+# response); it runs the container's own tritonserver where there is one.
+IMAGE_KINDS = ("gpu", "cpu")
+SERVER_COMMAND = "dflash-serve"
 
 # Pods metrics that prometheus-adapter serves to the HPA (rules: adapter_values).
 QUEUE_TIME_METRIC = "dflash_queue_time_us_per_request"
@@ -101,89 +103,89 @@ def _set_overlay(assignment: str) -> dict:
     return overlay
 
 
-def validate(v: dict) -> None:
+def validate(values: dict) -> None:
     """Refuse values that would render a deployment that cannot work, saying which value and why."""
     for path, minimum in [("server.gpus", 0), ("server.tensorParallel", 1), ("server.replicas", 0),
                           ("server.startupBudgetSeconds", 60), ("server.preStopSeconds", 0),
                           ("server.maxSurge", 0), ("server.maxUnavailable", 0), ("build.deadlineSeconds", 60),
                           ("autoscaling.minReplicas", 0), ("autoscaling.maxReplicas", 1)]:
-        _require_int(v, path, minimum)
+        _require_int(values, path, minimum)
     for path in ("createNamespace", "modelStore.create", "build.enabled", "autoscaling.enabled"):
-        if not isinstance(_get(v, path), bool):
-            raise RenderError(f"{path} must be true or false, got {_get(v, path)!r}")
-    _validate_names(v)
-    _validate_image(v)
-    _validate_model_store(v)
-    _validate_replicas(v)
-    _validate_parallelism(v)
-    _validate_memory(v)
-    _validate_build_args(v, parse_build_args(v))
-    _validate_placement(v)
-    clients = v["network"]["clientNamespaces"]
+        if not isinstance(_get(values, path), bool):
+            raise RenderError(f"{path} must be true or false, got {_get(values, path)!r}")
+    _validate_names(values)
+    _validate_image(values)
+    _validate_model_store(values)
+    _validate_replicas(values)
+    _validate_parallelism(values)
+    _validate_memory(values)
+    _validate_build_args(values, parse_build_args(values))
+    _validate_placement(values)
+    clients = values["network"]["clientNamespaces"]
     if not isinstance(clients, list) or not all(isinstance(n, str) and DNS_NAME.fullmatch(n) for n in clients):
         raise RenderError(f"network.clientNamespaces must be a list of namespace names, got {clients!r}")
 
 
-def _get(v: dict, path: str):
+def _get(values: dict, path: str):
     for part in path.split("."):
-        v = v[part]
-    return v
+        values = values[part]
+    return values
 
 
-def _require_int(v: dict, path: str, minimum: int) -> None:
-    value = _get(v, path)
+def _require_int(values: dict, path: str, minimum: int) -> None:
+    value = _get(values, path)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise RenderError(f"{path} must be an integer >= {minimum}, got {value!r}")
 
 
-def _validate_names(v: dict) -> None:
+def _validate_names(values: dict) -> None:
     for path in ("name", "namespace", "model.build", "monitoring.namespace"):
-        value = _get(v, path)
+        value = _get(values, path)
         if not isinstance(value, str) or not DNS_NAME.fullmatch(value) or len(value) > 63:
             raise RenderError(f"{path} must be a DNS label (lowercase letters, digits, '-'), got {value!r}")
-    job = f"{v['name']}-build-{v['model']['build']}-{'0' * JOB_HASH_LENGTH}"
+    job = f"{values['name']}-build-{values['model']['build']}-{'0' * JOB_HASH_LENGTH}"
     if len(job) > 63:
         raise RenderError(f"name + model.build are too long: the build Job's name ({job!r}, the zeros stand for a "
                           "hash) would exceed 63 characters")
-    if v["model"]["preset"] not in PRESETS:
-        raise RenderError(f"model.preset {v['model']['preset']!r} is not a preset ({', '.join(PRESETS)})")
+    if values["model"]["preset"] not in PRESETS:
+        raise RenderError(f"model.preset {values['model']['preset']!r} is not a preset ({', '.join(PRESETS)})")
 
 
-def _validate_image(v: dict) -> None:
-    image = v["image"]
-    if image["kind"] not in COMMANDS:
-        raise RenderError(f"image.kind must be one of {', '.join(COMMANDS)}, got {image['kind']!r}")
+def _validate_image(values: dict) -> None:
+    image = values["image"]
+    if image["kind"] not in IMAGE_KINDS:
+        raise RenderError(f"image.kind must be one of {', '.join(IMAGE_KINDS)}, got {image['kind']!r}")
     if image["digest"] and not re.fullmatch(r"sha256:[0-9a-f]{64}", str(image["digest"])):
         raise RenderError(f"image.digest must look like sha256:<64 hex digits>, got {image['digest']!r}")
     if not image["repository"] or not (image["tag"] or image["digest"]):
         raise RenderError("image.repository and image.tag (or image.digest) are required")
 
 
-def _validate_model_store(v: dict) -> None:
-    store = v["modelStore"]
+def _validate_model_store(values: dict) -> None:
+    store = values["modelStore"]
     if not store["claimName"] or not DNS_NAME.fullmatch(str(store["claimName"])):
         raise RenderError("modelStore.claimName is missing: the servers read their model repository from this "
                           "PersistentVolumeClaim and the build Job fills it (set create: true to render it)")
     modes = ("ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany")
     if store["accessMode"] not in modes:
         raise RenderError(f"modelStore.accessMode must be one of {', '.join(modes)}, got {store['accessMode']!r}")
-    if store["accessMode"] == "ReadOnlyMany" and v["build"]["enabled"]:
+    if store["accessMode"] == "ReadOnlyMany" and values["build"]["enabled"]:
         raise RenderError("modelStore.accessMode ReadOnlyMany: the build Job cannot write the build into it")
-    if store["accessMode"] != "ReadWriteMany" and max_replicas(v) > 1:
+    if store["accessMode"] != "ReadWriteMany" and max_replicas(values) > 1:
         raise RenderError(f"modelStore.accessMode {store['accessMode']} allows one node (or one pod) only, but up to "
-                          f"{max_replicas(v)} replicas may run on different nodes: use ReadWriteMany storage")
+                          f"{max_replicas(values)} replicas may run on different nodes: use ReadWriteMany storage")
 
 
-def _validate_replicas(v: dict) -> None:
-    if v["server"]["maxSurge"] == 0 and v["server"]["maxUnavailable"] == 0:
+def _validate_replicas(values: dict) -> None:
+    if values["server"]["maxSurge"] == 0 and values["server"]["maxUnavailable"] == 0:
         raise RenderError("server.maxSurge and server.maxUnavailable are both 0: a rolling update could never "
                           "replace a pod (maxSurge 1 needs a spare pod's GPUs; maxUnavailable 1 serves one pod short)")
-    scaling = v["autoscaling"]
+    scaling = values["autoscaling"]
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(scaling["queueModel"])):
         raise RenderError(f"autoscaling.queueModel must be a Triton model name, got {scaling['queueModel']!r}")
     if not scaling["enabled"]:
         return
-    if v["server"]["replicas"] == 0:
+    if values["server"]["replicas"] == 0:
         raise RenderError("server.replicas is 0 but autoscaling is enabled: the HPA would scale it straight back to "
                           "autoscaling.minReplicas. To stop serving, set autoscaling.enabled: false")
     if scaling["minReplicas"] < 1:
@@ -199,9 +201,9 @@ def _validate_replicas(v: dict) -> None:
                           f"got {scaling['queuedSequencesTarget']!r}")
 
 
-def _validate_parallelism(v: dict) -> None:
-    gpus, tp = v["server"]["gpus"], v["server"]["tensorParallel"]
-    if v["image"]["kind"] == "cpu":
+def _validate_parallelism(values: dict) -> None:
+    gpus, tp = values["server"]["gpus"], values["server"]["tensorParallel"]
+    if values["image"]["kind"] == "cpu":
         if gpus or tp != 1:
             raise RenderError(f"image.kind cpu runs without GPUs: server.gpus must be 0 and server.tensorParallel 1 "
                               f"(got {gpus} and {tp})")
@@ -214,30 +216,30 @@ def _validate_parallelism(v: dict) -> None:
                           "than a node has, see 'Multi-node' in deploy/README.md")
 
 
-def _validate_memory(v: dict) -> None:
-    server = v["server"]
+def _validate_memory(values: dict) -> None:
+    server = values["server"]
     memory = memory_bytes(server["memory"], "server.memory")
     shared = memory_bytes(server["sharedMemory"], "server.sharedMemory")
     memory_bytes(server["tmpSize"], "server.tmpSize")
-    memory_bytes(v["build"]["memory"], "build.memory")
-    memory_bytes(v["modelStore"]["size"], "modelStore.size")
+    memory_bytes(values["build"]["memory"], "build.memory")
+    memory_bytes(values["modelStore"]["size"], "modelStore.size")
     if shared >= memory:
         raise RenderError(f"server.sharedMemory ({server['sharedMemory']}) must be below server.memory "
                           f"({server['memory']}): /dev/shm is memory-backed and counts against the limit")
 
 
-def _validate_placement(v: dict) -> None:
+def _validate_placement(values: dict) -> None:
     for path in ("server.nodeSelector", "monitoring.prometheusLabels"):
-        labels = _get(v, path)
+        labels = _get(values, path)
         if not isinstance(labels, dict) or not all(isinstance(x, str) for x in [*labels, *labels.values()]):
             raise RenderError(f"{path} must map label names to strings (quote \"true\"), got {labels!r}")
-    tolerations = v["server"]["tolerations"]
+    tolerations = values["server"]["tolerations"]
     if not isinstance(tolerations, list) or not all(isinstance(t, dict) for t in tolerations):
         raise RenderError(f"server.tolerations must be a list of tolerations, got {tolerations!r}")
 
 
-def _validate_build_args(v: dict, args: argparse.Namespace) -> None:
-    kind, tp = v["image"]["kind"], v["server"]["tensorParallel"]
+def _validate_build_args(values: dict, args: argparse.Namespace) -> None:
+    kind, tp = values["image"]["kind"], values["server"]["tensorParallel"]
     if kind == "gpu" and args.runtime == "torch" and not args.device.startswith("cuda"):
         raise RenderError(f"build.args build for --device {args.device} but the servers have GPUs: add "
                           "--device cuda (or use --runtime trtllm)")
@@ -249,18 +251,18 @@ def _validate_build_args(v: dict, args: argparse.Namespace) -> None:
                           "runs a model on one device")
 
 
-def parse_build_args(v: dict) -> argparse.Namespace:
+def parse_build_args(values: dict) -> argparse.Namespace:
     """The build Job's flags parsed by builder/build.py's own parser: what it rejects, we reject now."""
-    if not isinstance(v["build"]["args"], list):
-        raise RenderError(f"build.args must be a list of builder/build.py flags, got {v['build']['args']!r}")
-    extra = [str(arg) for arg in v["build"]["args"]]
+    if not isinstance(values["build"]["args"], list):
+        raise RenderError(f"build.args must be a list of builder/build.py flags, got {values['build']['args']!r}")
+    extra = [str(arg) for arg in values["build"]["args"]]
     for flag in ("--target", "--output"):
         if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
             raise RenderError(f"build.args must not set {flag}: it comes from model.preset / model.build")
     parser = build_parser()
     parser.exit_on_error = False
     try:
-        args, unknown = parser.parse_known_args(builder_args(v))
+        args, unknown = parser.parse_known_args(builder_args(values))
     except argparse.ArgumentError as e:
         raise RenderError(f"build.args: {e}") from None
     if unknown:
@@ -281,59 +283,60 @@ def memory_bytes(quantity, path: str) -> float:
 
 # --- facts derived from values ------------------------------------------------------------------
 
-def max_replicas(v: dict) -> int:
-    return v["autoscaling"]["maxReplicas"] if v["autoscaling"]["enabled"] else v["server"]["replicas"]
+def max_replicas(values: dict) -> int:
+    return values["autoscaling"]["maxReplicas"] if values["autoscaling"]["enabled"] else values["server"]["replicas"]
 
 
-def build_path(v: dict) -> str:
-    return f"{MODEL_STORE}/{v['model']['build']}"
+def build_path(values: dict) -> str:
+    return f"{MODEL_STORE}/{values['model']['build']}"
 
 
-def repository_path(v: dict) -> str:
-    return f"{build_path(v)}/{REPOSITORY_DIR}"
+def repository_path(values: dict) -> str:
+    return f"{build_path(values)}/{REPOSITORY_DIR}"
 
 
-def builder_args(v: dict) -> list[str]:
-    return ["--target", v["model"]["preset"], "--output", build_path(v), *map(str, v["build"]["args"])]
+def builder_args(values: dict) -> list[str]:
+    return ["--target", values["model"]["preset"], "--output", build_path(values), *map(str, values["build"]["args"])]
 
 
-def downloads(v: dict) -> list[str]:
+def downloads(values: dict) -> list[str]:
     """Hugging Face repos the preset's build needs, in the order presets.resolve_checkpoint looks."""
-    preset = PRESETS[v["model"]["preset"]]
+    preset = PRESETS[values["model"]["preset"]]
     repos = [] if preset.gguf else [preset.target]
     if preset.drafter and not (REPO_ROOT / preset.drafter).is_dir():  # else shipped in the image
         repos.append(preset.drafter)
     return repos
 
 
-def image(v: dict) -> str:
-    ref = f"{v['image']['repository']}:{v['image']['tag']}" if v["image"]["tag"] else v["image"]["repository"]
-    return f"{ref}@{v['image']['digest']}" if v["image"]["digest"] else ref
+def image(values: dict) -> str:
+    image = values["image"]
+    ref = f"{image['repository']}:{image['tag']}" if image["tag"] else image["repository"]
+    return f"{ref}@{values['image']['digest']}" if values["image"]["digest"] else ref
 
 
-def server_command(v: dict) -> list[str]:
+def server_command(values: dict) -> list[str]:
     ports = [f"--{name}-port={port}" for name, port in PORTS.items()]
-    return [COMMANDS[v["image"]["kind"]], repository_path(v), *ports,
-            f"--ready-timeout={v['server']['startupBudgetSeconds']}"]
+    return [SERVER_COMMAND, repository_path(values), *ports,
+            f"--ready-timeout={values['server']['startupBudgetSeconds']}"]
 
 
-def termination_grace_seconds(v: dict) -> int:
+def termination_grace_seconds(values: dict) -> int:
     # preStop keeps the pod serving while it leaves the endpoints; then dflash-serve drains in-flight
     # streams and stops tritonserver, SHUTDOWN_SECONDS at most; the margin covers process exit.
-    return v["server"]["preStopSeconds"] + SHUTDOWN_SECONDS + 15
+    return values["server"]["preStopSeconds"] + SHUTDOWN_SECONDS + 15
 
 
 # --- building blocks -------------------------------------------------------------------------------
 
-def selector(v: dict, component: str) -> dict:
-    return {"app.kubernetes.io/name": "dflash", "app.kubernetes.io/instance": v["name"],
+def selector(values: dict, component: str) -> dict:
+    return {"app.kubernetes.io/name": "dflash", "app.kubernetes.io/instance": values["name"],
             "app.kubernetes.io/component": component}
 
 
-def metadata(v: dict, name: str, component: str, namespaced: bool = True, **extra_labels) -> dict:
-    meta = {"name": name, "labels": {**selector(v, component), "app.kubernetes.io/part-of": "dflash",
+def metadata(values: dict, name: str, component: str, namespaced: bool = True, **extra_labels) -> dict:
+    meta = {"name": name, "labels": {**selector(values, component), "app.kubernetes.io/part-of": "dflash",
                                      "app.kubernetes.io/managed-by": "dflash-render", **extra_labels}}
-    return {**meta, "namespace": v["namespace"]} if namespaced else meta
+    return {**meta, "namespace": values["namespace"]} if namespaced else meta
 
 
 POD_SECURITY = {"runAsNonRoot": True, "runAsUser": APP_UID, "runAsGroup": APP_UID, "fsGroup": APP_UID,
@@ -355,8 +358,8 @@ def resources(cpu: str, memory: str, gpus: int = 0) -> dict:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def container(v: dict, name: str, command: list[str], env: list[dict], mounts: list[dict], res: dict) -> dict:
-    return {"name": name, "image": image(v), "imagePullPolicy": "Always", "command": command, "env": env,
+def container(values: dict, name: str, command: list[str], env: list[dict], mounts: list[dict], res: dict) -> dict:
+    return {"name": name, "image": image(values), "imagePullPolicy": "Always", "command": command, "env": env,
             "volumeMounts": mounts, "resources": res, "securityContext": CONTAINER_SECURITY}
 
 
@@ -367,27 +370,27 @@ def store_mount(read_only: bool) -> dict:
 TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
 
 
-def store_volumes(v: dict, read_only: bool, tmp_size: str) -> list[dict]:
-    return [{"name": "models", "persistentVolumeClaim": {"claimName": v["modelStore"]["claimName"],
+def store_volumes(values: dict, read_only: bool, tmp_size: str) -> list[dict]:
+    return [{"name": "models", "persistentVolumeClaim": {"claimName": values["modelStore"]["claimName"],
                                                          "readOnly": read_only}},
             {"name": "tmp", "emptyDir": {"sizeLimit": tmp_size}}]
 
 
-def placement(v: dict) -> dict:
-    server = v["server"]
+def placement(values: dict) -> dict:
+    server = values["server"]
     return {**({"nodeSelector": server["nodeSelector"]} if server["nodeSelector"] else {}),
             **({"tolerations": server["tolerations"]} if server["tolerations"] else {})}
 
 
-def pod_basics(v: dict) -> dict:
-    return {"serviceAccountName": v["name"], "automountServiceAccountToken": False,
+def pod_basics(values: dict) -> dict:
+    return {"serviceAccountName": values["name"], "automountServiceAccountToken": False,
             "enableServiceLinks": False, "securityContext": POD_SECURITY}
 
 
 # --- resources -------------------------------------------------------------------------------------
 
-def namespace(v: dict) -> dict:
-    meta = metadata(v, v["namespace"], "namespace", namespaced=False)
+def namespace(values: dict) -> dict:
+    meta = metadata(values, values["namespace"], "namespace", namespaced=False)
     # The restricted Pod Security Standard: the API server itself refuses pods that would run as root,
     # escalate privileges or keep capabilities.
     meta["labels"].update({"pod-security.kubernetes.io/enforce": "restricted",
@@ -395,65 +398,66 @@ def namespace(v: dict) -> dict:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}
 
 
-def service_account(v: dict) -> dict:
+def service_account(values: dict) -> dict:
     # The pods call no Kubernetes API: no token is mounted.
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(v, v["name"], "server"),
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(values, values["name"], "server"),
             "automountServiceAccountToken": False}
 
 
-def model_claim(v: dict) -> dict:
-    store = v["modelStore"]
+def model_claim(values: dict) -> dict:
+    store = values["modelStore"]
     spec = {"accessModes": [store["accessMode"]], "resources": {"requests": {"storage": store["size"]}}}
     if store["storageClassName"]:
         spec["storageClassName"] = store["storageClassName"]
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": metadata(v, store["claimName"], "model-store"), "spec": spec}
+            "metadata": metadata(values, store["claimName"], "model-store"), "spec": spec}
 
 
-def build_job(v: dict) -> dict:
-    build, gpus = v["build"], v["server"]["gpus"]
+def build_job(values: dict) -> dict:
+    build, gpus = values["build"], values["server"]["gpus"]
     token = build["hfTokenSecret"]
     download_env = WRITABLE_HOME + STORE_CACHE + (
         [{"name": "HF_TOKEN_PATH", "value": f"{HF_TOKEN_DIR}/token"}] if token else [])
     download_mounts = [store_mount(False), TMP_MOUNT] + (
         [{"name": "hf-token", "mountPath": HF_TOKEN_DIR, "readOnly": True}] if token else [])
     # Downloads run first, in containers without GPUs: a GPU is not held while checkpoints arrive.
-    init = [container(v, f"download-{i}", ["hf", "download", repo], download_env, download_mounts,
-                      resources("1", "2Gi")) for i, repo in enumerate(downloads(v))]
-    builder = container(v, "build", ["dflash-build", *builder_args(v)],
+    init = [container(values, f"download-{i}", ["hf", "download", repo], download_env, download_mounts,
+                      resources("1", "2Gi")) for i, repo in enumerate(downloads(values))]
+    builder = container(values, "build", ["dflash-build", *builder_args(values)],
                         WRITABLE_HOME + STORE_CACHE + OFFLINE + [{"name": "DFLASH_CACHE", "value": DFLASH_CACHE}],
                         [store_mount(False), TMP_MOUNT], resources(build["cpu"], build["memory"], gpus))
-    volumes = store_volumes(v, read_only=False, tmp_size=v["server"]["tmpSize"])
+    volumes = store_volumes(values, read_only=False, tmp_size=values["server"]["tmpSize"])
     if token and init:  # a file, not an environment variable: it shows in no `kubectl describe` or crash dump
         volumes.append({"name": "hf-token", "secret": {"secretName": token, "defaultMode": 0o440,
                                                         "items": [{"key": "token", "path": "token"}]}})
-    pod = {**pod_basics(v), "restartPolicy": "Never", **({"initContainers": init} if init else {}),
-           "containers": [builder], "volumes": volumes, **(placement(v) if gpus else {})}
-    template = {"metadata": {"labels": {**selector(v, "build"), "dflash/build": v["model"]["build"]}}, "spec": pod}
+    pod = {**pod_basics(values), "restartPolicy": "Never", **({"initContainers": init} if init else {}),
+           "containers": [builder], "volumes": volumes, **(placement(values) if gpus else {})}
+    labels = {**selector(values, "build"), "dflash/build": values["model"]["build"]}
+    template = {"metadata": {"labels": labels}, "spec": pod}
     # A Job's pod template is immutable: when it changes (a new image, new flags) this is a new Job, named
     # by a hash of the template, which `kubectl apply` creates beside the old one. Running the builder
     # again for an unchanged build costs little: it reuses the identical build it finds.
     spec_hash = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:JOB_HASH_LENGTH]
-    name = f"{v['name']}-build-{v['model']['build']}-{spec_hash}"
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata(v, name, "build"),
+    name = f"{values['name']}-build-{values['model']['build']}-{spec_hash}"
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata(values, name, "build"),
             "spec": {"backoffLimit": 1, "activeDeadlineSeconds": build["deadlineSeconds"],
                      "ttlSecondsAfterFinished": 7 * 24 * 3600, "template": template}}
 
 
-def wait_for_build(v: dict) -> dict:
+def wait_for_build(values: dict) -> dict:
     # The builder writes the build beside its final place and renames it when complete, manifest
     # included: a pod never starts tritonserver on a half-written build, and a rolling upgrade's new
     # pods wait here until the new build exists.
     script = (f'until [ -f "$BUILD/{MANIFEST_FILE}" ]; do echo "waiting for the build Job to write $BUILD"; '
               "sleep 10; done")
-    return container(v, "wait-for-build", ["sh", "-c", script], [{"name": "BUILD", "value": build_path(v)}],
+    return container(values, "wait-for-build", ["sh", "-c", script], [{"name": "BUILD", "value": build_path(values)}],
                      [store_mount(True)], resources("50m", "32Mi"))
 
 
-def server_container(v: dict) -> dict:
-    server = v["server"]
+def server_container(values: dict) -> dict:
+    server = values["server"]
     ready = {"httpGet": {"path": READY_PATH, "port": "http"}}
-    triton = container(v, "tritonserver", server_command(v), WRITABLE_HOME + OFFLINE,
+    triton = container(values, "tritonserver", server_command(values), WRITABLE_HOME + OFFLINE,
                      [store_mount(True), TMP_MOUNT, {"name": "dshm", "mountPath": "/dev/shm"}],
                      resources(server["cpu"], server["memory"], server["gpus"]))
     triton["ports"] = [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in PORTS.items()]
@@ -466,62 +470,64 @@ def server_container(v: dict) -> dict:
     return triton
 
 
-def spread(v: dict) -> list[dict]:
+def spread(values: dict) -> list[dict]:
     # ScheduleAnyway: GPUs are scarce, and a replica on a crowded node beats a Pending one.
     # matchLabelKeys: during a rollout, old and new pods are balanced separately.
     return [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
-             "labelSelector": {"matchLabels": selector(v, "server")}, "matchLabelKeys": ["pod-template-hash"]}
+             "labelSelector": {"matchLabels": selector(values, "server")}, "matchLabelKeys": ["pod-template-hash"]}
             for key in ("topology.kubernetes.io/zone", "kubernetes.io/hostname")]
 
 
-def deployment(v: dict) -> dict:
-    server = v["server"]
-    volumes = store_volumes(v, read_only=True, tmp_size=server["tmpSize"]) + [
+def deployment(values: dict) -> dict:
+    server = values["server"]
+    volumes = store_volumes(values, read_only=True, tmp_size=server["tmpSize"]) + [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": server["sharedMemory"]}}]
-    pod = {**pod_basics(v), "terminationGracePeriodSeconds": termination_grace_seconds(v),
-           "initContainers": [wait_for_build(v)], "containers": [server_container(v)], "volumes": volumes,
-           "topologySpreadConstraints": spread(v), **placement(v)}
-    spec = {"revisionHistoryLimit": 5, "selector": {"matchLabels": selector(v, "server")},
+    labels = {**selector(values, "server"), "dflash/build": values["model"]["build"]}
+    pod = {**pod_basics(values), "terminationGracePeriodSeconds": termination_grace_seconds(values),
+           "initContainers": [wait_for_build(values)], "containers": [server_container(values)], "volumes": volumes,
+           "topologySpreadConstraints": spread(values), **placement(values)}
+    spec = {"revisionHistoryLimit": 5, "selector": {"matchLabels": selector(values, "server")},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": server["maxSurge"], "maxUnavailable": server["maxUnavailable"]}},
             "minReadySeconds": 10, "progressDeadlineSeconds": server["startupBudgetSeconds"] + 600,
-            "template": {"metadata": {"labels": {**selector(v, "server"), "dflash/build": v["model"]["build"]}},
-                         "spec": pod}}
-    if not v["autoscaling"]["enabled"]:  # with an HPA, replicas belong to it: applying must not reset them
+            "template": {"metadata": {"labels": labels}, "spec": pod}}
+    if not values["autoscaling"]["enabled"]:  # with an HPA, replicas belong to it: applying must not reset them
         spec = {"replicas": server["replicas"], **spec}
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(v, v["name"], "server"), "spec": spec}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(values, values["name"], "server"),
+            "spec": spec}
 
 
-def service(v: dict, name: str, component: str, ports: list[str], headless: bool = False) -> dict:
+def service(values: dict, name: str, component: str, ports: list[str], headless: bool = False) -> dict:
     protocols = {"http": "http", "grpc": "kubernetes.io/h2c", "metrics": "http"}
-    spec = {"selector": selector(v, "server"),
+    spec = {"selector": selector(values, "server"),
             "ports": [{"name": p, "port": PORTS[p], "targetPort": p, "protocol": "TCP", "appProtocol": protocols[p]}
                       for p in ports]}
     if headless:
         spec = {"clusterIP": "None", **spec}
-    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(v, name, component), "spec": spec}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(values, name, component), "spec": spec}
 
 
-def services(v: dict) -> list[dict]:
-    name = v["name"]
-    return [service(v, name, "server", ["http", "grpc"]),
+def services(values: dict) -> list[dict]:
+    name = values["name"]
+    return [service(values, name, "server", ["http", "grpc"]),
             # gRPC keeps one HTTP/2 connection per client, which a ClusterIP pins to one pod: clients that
             # balance themselves (dns:///<name>-headless:8001, round_robin) spread over every ready pod.
-            service(v, f"{name}-headless", "server", ["grpc", "http"], headless=True),
+            service(values, f"{name}-headless", "server", ["grpc", "http"], headless=True),
             # metrics apart: only Prometheus reaches this port (NetworkPolicy), and clients never see it
-            service(v, f"{name}-metrics", "metrics", ["metrics"])]
+            service(values, f"{name}-metrics", "metrics", ["metrics"])]
 
 
-def disruption_budget(v: dict) -> dict:
+def disruption_budget(values: dict) -> dict:
     # maxUnavailable rather than minAvailable: a single-replica deployment must not block node drains.
     # AlwaysAllow: a crash-looping pod never stops a drain either.
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": metadata(v, v["name"], "server"),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(v, "server")},
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": metadata(values, values["name"], "server"),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(values, "server")},
                      "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
 
 
-def autoscaler(v: dict) -> dict:
-    scaling = v["autoscaling"]
+def autoscaler(values: dict) -> dict:
+    scaling = values["autoscaling"]
 
     def per_pod(metric: str, average) -> dict:
         return {"type": "Pods", "pods": {"metric": {"name": metric},
@@ -540,8 +546,8 @@ def autoscaler(v: dict) -> dict:
                 "scaleDown": {"stabilizationWindowSeconds": 900,
                               "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]}}
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": metadata(v, v["name"], "server"),
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": v["name"]},
+            "metadata": metadata(values, values["name"], "server"),
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": values["name"]},
                      "minReplicas": scaling["minReplicas"], "maxReplicas": scaling["maxReplicas"],
                      "metrics": metrics, "behavior": behavior}}
 
@@ -554,49 +560,49 @@ def _ports(*names: str) -> list[dict]:
     return [{"port": PORTS[n], "protocol": "TCP"} for n in names]
 
 
-def server_network_policy(v: dict) -> dict:
-    clients = [{"podSelector": {}}] + [_namespace_peer(n) for n in v["network"]["clientNamespaces"]]
-    spec = {"podSelector": {"matchLabels": selector(v, "server")}, "policyTypes": ["Ingress", "Egress"],
+def server_network_policy(values: dict) -> dict:
+    clients = [{"podSelector": {}}] + [_namespace_peer(n) for n in values["network"]["clientNamespaces"]]
+    spec = {"podSelector": {"matchLabels": selector(values, "server")}, "policyTypes": ["Ingress", "Egress"],
             "ingress": [{"from": clients, "ports": _ports("http", "grpc")},
-                        {"from": [_namespace_peer(v["monitoring"]["namespace"])], "ports": _ports("metrics")}],
+                        {"from": [_namespace_peer(values["monitoring"]["namespace"])], "ports": _ports("metrics")}],
             # no egress at all: the servers download nothing and call nothing
             "egress": []}
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": metadata(v, f"{v['name']}-server", "server"), "spec": spec}
+            "metadata": metadata(values, f"{values['name']}-server", "server"), "spec": spec}
 
 
-def build_network_policy(v: dict) -> dict:
+def build_network_policy(values: dict) -> dict:
     dns = {"to": [{**_namespace_peer("kube-system"), "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
            "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
-    spec = {"podSelector": {"matchLabels": selector(v, "build")}, "policyTypes": ["Ingress", "Egress"],
+    spec = {"podSelector": {"matchLabels": selector(values, "build")}, "policyTypes": ["Ingress", "Egress"],
             "ingress": [],
             # the Hugging Face Hub and its CDN over HTTPS; nothing reaches into the build
             "egress": [dns, {"ports": [{"port": 443, "protocol": "TCP"}]}]}
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": metadata(v, f"{v['name']}-build", "build"), "spec": spec}
+            "metadata": metadata(values, f"{values['name']}-build", "build"), "spec": spec}
 
 
-def service_monitor(v: dict) -> dict:
-    meta = metadata(v, v["name"], "metrics", **v["monitoring"]["prometheusLabels"])
+def service_monitor(values: dict) -> dict:
+    meta = metadata(values, values["name"], "metrics", **values["monitoring"]["prometheusLabels"])
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": meta,
-            "spec": {"selector": {"matchLabels": selector(v, "metrics")},
+            "spec": {"selector": {"matchLabels": selector(values, "metrics")},
                      "endpoints": [{"port": "metrics", "path": METRICS_PATH, "interval": "15s",
                                     "scrapeTimeout": "10s"}]}}
 
 
-def queue_time_expr(v: dict) -> str:
-    model = v["autoscaling"]["queueModel"]
-    series = f'{{namespace="{v["namespace"]}", service="{v["name"]}-metrics", model="{model}"}}'
+def queue_time_expr(values: dict) -> str:
+    model = values["autoscaling"]["queueModel"]
+    series = f'{{namespace="{values["namespace"]}", service="{values["name"]}-metrics", model="{model}"}}'
     # Average Triton queue time per request over 2 minutes; a pod with no requests reads 0, a pod whose
     # requests all still wait reads very high (the divisor is clamped, not zero).
     return (f"sum by (namespace, pod) (rate(nv_inference_queue_duration_us{series}[2m]))\n"
             f"/\nclamp_min(sum by (namespace, pod) (rate(nv_inference_request_success{series}[2m])), 0.001)")
 
 
-def prometheus_rule(v: dict) -> dict:
-    target_us = round(v["autoscaling"]["queueTimeTargetMs"] * 1000)
-    scrape = f'up{{namespace="{v["namespace"]}", service="{v["name"]}-metrics"}}'
-    rules = [{"record": QUEUE_TIME_RECORD, "expr": queue_time_expr(v)},
+def prometheus_rule(values: dict) -> dict:
+    target_us = round(values["autoscaling"]["queueTimeTargetMs"] * 1000)
+    scrape = f'up{{namespace="{values["namespace"]}", service="{values["name"]}-metrics"}}'
+    rules = [{"record": QUEUE_TIME_RECORD, "expr": queue_time_expr(values)},
              {"alert": "DFlashQueueTimeHigh", "expr": f"avg({QUEUE_TIME_RECORD}) > {2 * target_us}", "for": "15m",
               "labels": {"severity": "warning"},
               "annotations": {"summary": "DFlash requests queue twice as long as the autoscaling target",
@@ -607,12 +613,12 @@ def prometheus_rule(v: dict) -> dict:
               "annotations": {"summary": "No DFlash Triton metrics are scraped",
                               "description": "The HPA scales on these metrics: without them it cannot react to "
                                              "load. Check the ServiceMonitor and the NetworkPolicy."}}]
-    meta = metadata(v, v["name"], "metrics", **v["monitoring"]["prometheusLabels"])
+    meta = metadata(values, values["name"], "metrics", **values["monitoring"]["prometheusLabels"])
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": meta,
             "spec": {"groups": [{"name": "dflash", "rules": rules}]}}
 
 
-def adapter_values(v: dict) -> dict:
+def adapter_values(values: dict) -> dict:
     """Rules for prometheus-adapter (Helm values rules.custom): per-pod metrics for the HPA."""
     def rule(series: str, name: str, aggregate: str) -> dict:
         return {"seriesQuery": f'{series}{{namespace!="",pod!=""}}',
@@ -624,19 +630,19 @@ def adapter_values(v: dict) -> dict:
                                  rule(QUEUED_METRIC, QUEUED_METRIC, "sum")]}}
 
 
-def render(v: dict) -> list[dict]:
+def render(values: dict) -> list[dict]:
     """Every resource, in apply order: the network policies exist before any pod they protect."""
-    out = [namespace(v)] if v["createNamespace"] else []
-    out.append(service_account(v))
-    if v["modelStore"]["create"]:
-        out.append(model_claim(v))
-    out.append(server_network_policy(v))
-    if v["build"]["enabled"]:
-        out += [build_network_policy(v), build_job(v)]
-    out += [deployment(v), *services(v), disruption_budget(v)]
-    if v["autoscaling"]["enabled"]:
-        out.append(autoscaler(v))
-    return out + [service_monitor(v), prometheus_rule(v)]
+    out = [namespace(values)] if values["createNamespace"] else []
+    out.append(service_account(values))
+    if values["modelStore"]["create"]:
+        out.append(model_claim(values))
+    out.append(server_network_policy(values))
+    if values["build"]["enabled"]:
+        out += [build_network_policy(values), build_job(values)]
+    out += [deployment(values), *services(values), disruption_budget(values)]
+    if values["autoscaling"]["enabled"]:
+        out.append(autoscaler(values))
+    return out + [service_monitor(values), prometheus_rule(values)]
 
 
 # --- output ----------------------------------------------------------------------------------------
@@ -660,18 +666,18 @@ ADAPTER_HEADER = ("# Merge into the values of your prometheus-adapter Helm relea
                   "prometheus-adapter),\n# which serves these per-pod metrics to the HorizontalPodAutoscaler.\n")
 
 
-def write(v: dict, output: Path) -> list[Path]:
+def write(values: dict, output: Path) -> list[Path]:
     output.mkdir(parents=True, exist_ok=True)
     if any(output.iterdir()):
         raise RenderError(f"{output} is not empty: render into a new folder (stale files would be applied too)")
     files = []
-    for i, resource in enumerate(render(v)):
+    for i, resource in enumerate(render(values)):
         path = output / f"{i:02d}-{resource['kind'].lower()}-{resource['metadata']['name']}.yaml"
         path.write_text(dump(resource))
         files.append(path)
     adapter = output / "prometheus-adapter" / "values.yaml"
     adapter.parent.mkdir()
-    adapter.write_text(ADAPTER_HEADER + dump(adapter_values(v)))
+    adapter.write_text(ADAPTER_HEADER + dump(adapter_values(values)))
     return files + [adapter]
 
 

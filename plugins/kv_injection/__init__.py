@@ -1,13 +1,8 @@
-"""DFlash KV injection as one fused op.
+"""The KV-injection op packaged for TensorRT, and its micro-benchmark.
 
-For each new context token (of any sequence in the batch): K = RoPE(k_norm(W_k h)) at its absolute
-position and V = W_v h, written into that sequence's draft KV-cache slot. Unfused, this is two GEMMs,
-a normalization, RoPE and two scatters per draft layer per step.
+The op itself (reference, OpenAI-Triton kernel, `torch.ops.dflash.kv_injection`) is part of the core
+runtime: `dflash_runtime.kv_injection`. Here:
 
-- reference.py: the PyTorch definition of correct (CPU).
-- triton_kernel.py: the OpenAI-Triton kernel (CUDA; checked on CPU under TRITON_INTERPRET=1).
-- torch_op.py: `torch.ops.dflash.kv_injection`, dispatching to the kernel on CUDA, the reference elsewhere.
+- tensorrt_plugin.py: the TensorRT plugin (AOT from the kernel's PTX; ONNX export of a drafter layer).
+- benchmark.py: the fused op against the unfused reference, side by side.
 """
-from .reference import kv_injection_reference
-
-__all__ = ["kv_injection_reference"]

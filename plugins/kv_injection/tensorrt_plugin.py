@@ -41,7 +41,7 @@ def compile_ptx(arch: int, float_type: str = "fp32", index_type: str = "i64", he
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .triton_kernel import BLOCK_H, NUM_WARPS, kv_injection_kernel
+    from dflash_runtime.kv_injection.triton_kernel import BLOCK_H, NUM_WARPS, kv_injection_kernel
 
     if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
         raise ValueError(f"head_dim {head_dim}: the kernel needs head_dim / 2 to be a power of two")

@@ -1,8 +1,9 @@
 """Triton model `dflash`: the DFlash engine behind a decoupled Python-backend model.
 
-This file only translates: request tensors -> SamplingParams + prompt ids for the engine loop, and
-the loop's chunks -> response tensors and metrics. Scheduling, batching and decoding live in
-dflash_runtime (engine_loop, engine), tested without Triton.
+This file only translates: request tensors -> SamplingParams + prompt ids for the engine loop
+(dflash_serving.requests), and the loop's chunks -> response tensors (dflash_contract.protocol) and
+metrics. Scheduling, batching and decoding live in dflash_serving.engine_loop and dflash_runtime,
+tested without Triton.
 """
 import json
 import queue
@@ -12,11 +13,13 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dflash_runtime.config import DFlashError
-from dflash_runtime.engine_loop import EngineLoop, QueueFull
-from dflash_runtime.model_args import artifact_path, drain_signal, drained_path, model_parameters
+from dflash_contract import DFlashError
+from dflash_contract.protocol import FINISH_REASON, STATISTICS, config_type, response_statistics
+from dflash_contract.server import drain_signal, drained_path
 from dflash_runtime.pipeline import load_pipeline
-from dflash_runtime.sampling import SamplingParams
+from dflash_serving.engine_loop import EngineLoop, QueueFull
+from dflash_serving.model_args import artifact_path, model_parameters
+from dflash_serving.requests import is_stop_request, parse_engine_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
@@ -52,12 +55,13 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            if _is_stop(request):
+            tensor = _tensor_getter(request)
+            if is_stop_request(tensor):
                 self._stop(request)
                 continue
             stream = TritonStream(request, self.in_flight)
             try:
-                prompt_ids, params, streaming = _parse(request)
+                prompt_ids, params, streaming = parse_engine_request(tensor)
                 self.loop.submit(prompt_ids, params, stream, streaming)
             except QueueFull as e:
                 stream.fail(str(e), pb_utils.TritonError.UNAVAILABLE)
@@ -73,7 +77,7 @@ class TritonPythonModel:
         request.get_response_sender().send(flags=FINAL)
 
     def finalize(self):
-        self.loop.stop("the server is shutting down; the request was aborted")
+        self.loop.stop()
 
 
 class TritonStream:
@@ -88,20 +92,13 @@ class TritonStream:
 
     def send(self, chunk):
         stats = chunk.stats
-        steps = len(stats.acceptance_lengths)
-        accepted = sum(stats.acceptance_lengths) - steps
-        drafted = steps * (chunk.block_size - 1)
-        tensors = {
-            "output_ids": np.array([chunk.token_ids], dtype=np.int32),
-            "read_offset": np.array([[chunk.read_offset]], dtype=np.int32),
-            "finish_reason": np.array([[(chunk.finish_reason or "").encode()]], dtype=object),
-            "total_accepted_draft_tokens": np.array([[accepted]], dtype=np.int32),
-            "total_draft_tokens": np.array([[drafted]], dtype=np.int32),
-            "acceptance_rate": np.array([[accepted / drafted if drafted else 0.0]], dtype=np.float32),
-            "draft_steps": np.array([[steps]], dtype=np.int32),
-            "mean_acceptance_length": np.array([[stats.mean_acceptance_length]], dtype=np.float32),
-        }
-        response = pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in tensors.items()])
+        values = response_statistics(stats.draft_steps, stats.accepted_draft_tokens, stats.draft_tokens)
+        tensors = [pb_utils.Tensor("output_ids", np.array([chunk.token_ids], dtype=np.int32)),
+                   pb_utils.Tensor("read_offset", np.array([[chunk.read_offset]], dtype=np.int32)),
+                   pb_utils.Tensor(FINISH_REASON, np.array([[chunk.finish_reason or ""]], dtype=object))]
+        tensors += [pb_utils.Tensor(s.tensor, np.array([[values[s.field]]], dtype=_numpy_type(s.data_type)))
+                    for s in STATISTICS]
+        response = pb_utils.InferenceResponse(tensors)
         if chunk.finished:
             self._forget()
         try:
@@ -171,63 +168,13 @@ class EngineMetrics:
         self.kv_cache.set(report.kv_cache_utilization)
 
 
-def _parse(request):
-    """(prompt ids, sampling parameters, stream?) from a request's tensors; DFlashError on bad input."""
-    ids = _tensor(request, "input_ids")
-    if ids is None or ids.ndim != 2 or ids.shape[0] != 1:
-        raise DFlashError("send one prompt per request (the server batches requests itself)")
-    max_tokens = _scalar(request, "max_tokens", None)
-    if max_tokens is None or max_tokens < 1:
-        raise DFlashError(f"max_tokens must be >= 1, got {max_tokens}")
-    seed = _scalar(request, "seed", None)
-    legacy_seed = _scalar(request, "random_seed", None)
-    if seed is None:
-        seed = legacy_seed
-    elif legacy_seed is not None and legacy_seed != seed:
-        raise DFlashError("seed and random_seed differ: send one of them")
-    bad_words = _strings(request, "bad_words")
-    if bad_words:
-        raise DFlashError("bad_words is not supported by the DFlash engine")
-    end_id = _scalar(request, "end_id", None)
-    params = SamplingParams(
-        max_new_tokens=int(max_tokens),
-        temperature=float(_scalar(request, "temperature", 0.0)),
-        top_k=int(_scalar(request, "top_k", 0)),
-        top_p=float(_scalar(request, "top_p", 1.0)),
-        seed=None if seed is None else int(seed),
-        # end_id replaces the model's end-of-sequence ids, as in TensorRT-LLM
-        stop_token_ids=(int(end_id),) if end_id is not None else (),
-        ignore_eos=end_id is not None,
-        stop_strings=tuple(_strings(request, "stop_words")),
-    )
-    return ids[0].tolist(), params, bool(_scalar(request, "stream", False))
+def _numpy_type(data_type):
+    return pb_utils.triton_string_to_numpy(config_type(data_type))
 
 
-def _is_stop(request):
-    stop = _tensor(request, "stop")
-    return stop is not None and stop.size == 1 and bool(stop.item())
+def _tensor_getter(request):
+    def tensor(name):
+        value = pb_utils.get_input_tensor_by_name(request, name)
+        return None if value is None else value.as_numpy()
 
-
-def _tensor(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
-
-
-def _scalar(request, name, default):
-    value = _tensor(request, name)
-    if value is None:
-        return default
-    if value.size != 1:
-        raise DFlashError(f"{name} must hold one value per request, got shape {list(value.shape)}")
-    return value.item()
-
-
-def _strings(request, name):
-    value = _tensor(request, name)
-    if value is None:
-        return []
-    try:
-        words = [w.decode("utf-8") if isinstance(w, bytes) else str(w) for w in value.reshape(-1)]
-    except UnicodeDecodeError:
-        raise DFlashError(f"{name} is not valid UTF-8") from None
-    return [w for w in words if w]
+    return tensor

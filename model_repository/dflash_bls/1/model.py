@@ -11,11 +11,11 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from dflash_contract.protocol import ENGINE_INPUTS, FINISH_REASON, STATISTICS, TOKEN_OUTPUTS
+
+RESPONSE_OUTPUTS = (FINISH_REASON, *(s.tensor for s in STATISTICS))  # passed on to the client as they are
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-ENGINE_INPUTS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "random_seed", "end_id", "pad_id",
-                 "stop_words", "bad_words")
-STATISTICS = ("finish_reason", "total_accepted_draft_tokens", "total_draft_tokens", "acceptance_rate", "draft_steps",
-              "mean_acceptance_length")
 
 
 class TritonPythonModel:
@@ -50,7 +50,7 @@ def _generate(request, sender):
     inputs = [pb_utils.get_output_tensor_by_name(prompt, "input_ids"), pb_utils.Tensor("stream", np.array([[True]]))]
     engine = pb_utils.InferenceRequest(
         model_name="dflash", inputs=inputs + _inputs(request, ENGINE_INPUTS), request_id=request_id,
-        requested_output_names=["output_ids", "read_offset", *STATISTICS])
+        requested_output_names=[*TOKEN_OUTPUTS, *RESPONSE_OUTPUTS])
     texts, last, stopped = [], None, False
     # streamed even when the client asked for one response: a response per step is where
     # cancellation is seen
@@ -64,13 +64,13 @@ def _generate(request, sender):
             if not response.output_tensors():  # an empty final flag
                 continue
             ids = [pb_utils.get_output_tensor_by_name(response, name)
-                   for name in ("output_ids", "read_offset", "finish_reason")]
+                   for name in (*TOKEN_OUTPUTS, FINISH_REASON)]
             text = _call("postprocessing", ids, ["text_output"])
             if text.has_error():
                 _stop(request_id)
                 return text.error()
             delta = pb_utils.get_output_tensor_by_name(text, "text_output").as_numpy().item()
-            finished = bool(pb_utils.get_output_tensor_by_name(response, "finish_reason").as_numpy().item())
+            finished = bool(pb_utils.get_output_tensor_by_name(response, FINISH_REASON).as_numpy().item())
             if streaming:
                 sender.send(_answer(delta, response), flags=FINAL if finished else 0)
             else:
@@ -106,5 +106,5 @@ def _stop(request_id):
 
 def _answer(text, engine_response):
     tensors = [pb_utils.Tensor("text_output", np.array([[text]], dtype=object))]
-    tensors += [pb_utils.get_output_tensor_by_name(engine_response, name) for name in STATISTICS]
+    tensors += [pb_utils.get_output_tensor_by_name(engine_response, name) for name in RESPONSE_OUTPUTS]
     return pb_utils.InferenceResponse(tensors)

@@ -2,8 +2,9 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dflash_runtime.model_args import artifact_path, model_parameters
-from dflash_runtime.text import load_tokenizer, text_delta
+from dflash_runtime.text import load_tokenizer
+from dflash_serving.detokenize import text_delta
+from dflash_serving.model_args import artifact_path, model_parameters
 
 
 class TritonPythonModel:

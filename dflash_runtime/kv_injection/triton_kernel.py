@@ -34,10 +34,12 @@ def kv_injection_kernel(context, k_weight, v_weight, k_norm_weight, inv_freq, po
         valid = cols < hidden
         h = tl.load(context + token * context_stride + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
         w_mask = valid[None, :]
-        k_lo += tl.sum(tl.load(k_weight + rows_lo[:, None] * hidden + cols[None, :], mask=w_mask, other=0.0).to(tl.float32) * h, axis=1)
-        k_hi += tl.sum(tl.load(k_weight + rows_hi[:, None] * hidden + cols[None, :], mask=w_mask, other=0.0).to(tl.float32) * h, axis=1)
-        v_lo += tl.sum(tl.load(v_weight + rows_lo[:, None] * hidden + cols[None, :], mask=w_mask, other=0.0).to(tl.float32) * h, axis=1)
-        v_hi += tl.sum(tl.load(v_weight + rows_hi[:, None] * hidden + cols[None, :], mask=w_mask, other=0.0).to(tl.float32) * h, axis=1)
+        lo = rows_lo[:, None] * hidden + cols[None, :]  # [HALF, BLOCK_H] offsets into W_k / W_v
+        hi = rows_hi[:, None] * hidden + cols[None, :]
+        k_lo += tl.sum(tl.load(k_weight + lo, mask=w_mask, other=0.0).to(tl.float32) * h, axis=1)
+        k_hi += tl.sum(tl.load(k_weight + hi, mask=w_mask, other=0.0).to(tl.float32) * h, axis=1)
+        v_lo += tl.sum(tl.load(v_weight + lo, mask=w_mask, other=0.0).to(tl.float32) * h, axis=1)
+        v_hi += tl.sum(tl.load(v_weight + hi, mask=w_mask, other=0.0).to(tl.float32) * h, axis=1)
     # k_norm: RMS over the whole head
     mean_square = (tl.sum(k_lo * k_lo, axis=0) + tl.sum(k_hi * k_hi, axis=0)) / (2 * HALF)
     scale = 1.0 / tl.sqrt(mean_square + EPS)

@@ -6,38 +6,43 @@ import json
 import sys
 import time
 
-from .config import DFlashError
-from .presets import DEFAULT_PRESET, PRESETS
-from .sampling import SamplingParams
+from dflash_contract import DFlashError
+from dflash_contract.presets import DEFAULT_PRESET, preset_table
+from dflash_runtime.sampling import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
-    presets = "\n".join(f"  {p.name:<20} {p.description}" for p in PRESETS.values())
     parser = argparse.ArgumentParser(
         prog="dflash-generate",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Generate text with DFlash speculative decoding: a drafter proposes a block of tokens in one "
                     "pass, the target verifies them in one pass. Output is token-identical to the target's own "
                     "decoding (greedy, or sampled with the same seed).",
-        epilog=f"presets:\n{presets}\n\nexamples:\n"
+        epilog=f"presets:\n{preset_table()}\n\nexamples:\n"
                "  dflash-generate --prompt 'Write a haiku about CPUs.'\n"
                "  dflash-generate --prompt 'Hi' --block-size 1 --json     # plain autoregressive baseline\n"
                "  dflash-generate --target ./my-qwen3 --drafter ./my-drafter --prompt-ids 1,2,3",
     )
-    parser.add_argument("--target", default=DEFAULT_PRESET, help=f"preset name or HF checkpoint directory (default: {DEFAULT_PRESET})")
+    parser.add_argument("--target", default=DEFAULT_PRESET,
+                        help=f"preset name or HF checkpoint directory (default: {DEFAULT_PRESET})")
     parser.add_argument("--drafter", default="preset",
-                        help="drafter directory (z-lab / ModelOpt DFlash format); default: the preset's; 'none' to run without")
+                        help="drafter directory (z-lab / ModelOpt DFlash format); default: the preset's; 'none' to "
+                             "run without")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="a user message (the target's chat template is applied unless --raw)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids, sent as they are")
     parser.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, help="draft block size; 1 = plain autoregressive (default: the drafter's)")
+    parser.add_argument("--block-size", type=int,
+                        help="draft block size; 1 = plain autoregressive (default: the drafter's)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, help="sampling seed; the same seed gives the same output for any block size")
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--seed", type=int,
+                        help="sampling seed; the same seed gives the same output for any block size")
+    parser.add_argument("--stop", action="append", default=[],
+                        help="stop string (repeatable): generation ends at the token that completes it, and the "
+                             "text keeps that token (as the server does)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     parser.add_argument("--max-context", type=int, help="context limit in tokens (default: the preset's, else 2048)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -62,19 +67,22 @@ def run(args: argparse.Namespace) -> dict:
                             ignore_eos=args.ignore_eos)
     if args.block_size is not None and args.block_size < 1:
         raise DFlashError(f"block size must be >= 1, got {args.block_size}")
-    from .pipeline import load_pipeline
+    from dflash_runtime.pipeline import load_pipeline
 
     drafter = None if args.drafter == "none" or args.block_size == 1 else args.drafter
     pipe = load_pipeline(args.target, drafter, args.dtype, args.device)
     engine = pipe.engine(block_size=args.block_size, max_batch_size=1, max_context=args.max_context)
-    prompt_ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else pipe.encode(args.prompt, chat=not args.raw)
+    if args.prompt_ids is not None:
+        prompt_ids = parse_ids(args.prompt_ids)
+    else:
+        prompt_ids = pipe.encode(args.prompt, chat=not args.raw)
     seq = engine.add_request(prompt_ids, params)
     start = time.perf_counter()
     printed = ""
     while engine.has_unfinished():
         engine.step()
         if not args.json and pipe.tokenizer is not None:
-            text = trim_at_stop(pipe.decode(seq.output_ids), seq.matched_stop_string)
+            text = pipe.decode(seq.output_ids)
             # hold back a trailing replacement char: the next token may complete a multi-byte character
             safe = text.rstrip("\ufffd") if not seq.finished else text
             if safe.startswith(printed):
@@ -98,12 +106,8 @@ def run(args: argparse.Namespace) -> dict:
         "tokens_per_second": round(len(seq.output_ids) / elapsed, 2),
     }
     if pipe.tokenizer is not None:
-        result["text"] = trim_at_stop(pipe.decode(seq.output_ids), seq.matched_stop_string)
+        result["text"] = pipe.decode(seq.output_ids)
     return result
-
-
-def trim_at_stop(text: str, stop: str | None) -> str:
-    return text[:text.find(stop)] if stop and stop in text else text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         print()
-        print(f"[{result['num_output_tokens']} tokens, {result['tokens_per_second']} tokens/s, block {result['block_size']}, "
+        print(f"[{result['num_output_tokens']} tokens, {result['tokens_per_second']} tokens/s, "
+              f"block {result['block_size']}, "
               f"mean acceptance length {result['mean_acceptance_length']}, finish: {result['finish_reason']}]",
               file=sys.stderr)
     return 0

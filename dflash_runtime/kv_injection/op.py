@@ -17,9 +17,11 @@ def kv_injection(context: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.
     if context.is_cuda:
         from .triton_kernel import kv_injection_triton
 
-        kv_injection_triton(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v, eps)
+        kv_injection_triton(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v,
+                            eps)
     else:
-        kv_injection_reference(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v, eps)
+        kv_injection_reference(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k,
+                               cache_v, eps)
 
 
 @kv_injection.register_fake

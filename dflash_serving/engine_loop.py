@@ -13,11 +13,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence as Seq
 
-from .config import DFlashError
-from .engine import SpeculativeEngine, StepOutput
-from .sampling import SamplingParams, SamplingStats
-from .sequence import Sequence
-from .text import token_window
+from dflash_contract import DFlashError
+from dflash_contract.protocol import CANCELLED_MESSAGE, CAPACITY_MESSAGE, INTERNAL_ERROR_PREFIX, SHUTTING_DOWN_MESSAGE
+from dflash_runtime.engine import SpeculativeEngine, StepOutput
+from dflash_runtime.sampling import SamplingParams, SamplingStats
+from dflash_runtime.sequence import Sequence
+
+from .detokenize import token_window
 
 
 CANCEL_CHECK_SECONDS = 0.25
@@ -36,7 +38,6 @@ class Chunk:
     finished: bool
     finish_reason: str | None
     stats: SamplingStats
-    block_size: int
 
 
 class Stream(Protocol):
@@ -101,10 +102,11 @@ class EngineLoop:
         """Queue a request; raises DFlashError for bad input and QueueFull when the queue is full."""
         with self._lock:
             if self._stopping or self._drain_deadline is not None:
-                raise QueueFull("the server is shutting down")
-            if len(self.engine.waiting) - len(self.engine.free_slots) >= self.max_queue_size:
-                raise QueueFull(f"the server is at capacity ({len(self.engine.running)} running, "
-                                f"{len(self.engine.waiting)} queued, queue limit {self.max_queue_size}); retry later")
+                raise QueueFull(SHUTTING_DOWN_MESSAGE)
+            occupancy = self.engine.occupancy()
+            if occupancy.waiting - occupancy.free_slots >= self.max_queue_size:
+                raise QueueFull(f"{CAPACITY_MESSAGE} ({occupancy.running} running, "
+                                f"{occupancy.waiting} queued, queue limit {self.max_queue_size}); retry later")
             limit = self.engine.max_context
             if len(prompt_ids) < limit and len(prompt_ids) + params.max_new_tokens > limit:
                 raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
@@ -121,7 +123,7 @@ class EngineLoop:
             self._drain_deadline = time.monotonic() + grace_seconds
         self._wake.set()
 
-    def stop(self, message: str = "the server is shutting down") -> None:
+    def stop(self, message: str = SHUTTING_DOWN_MESSAGE) -> None:
         """Stop stepping; requests still in flight get `message` as a final error."""
         with self._lock:
             self._stopping = True
@@ -149,7 +151,7 @@ class EngineLoop:
                     ready, report = self._step()
                 except Exception as e:  # a bug or out-of-memory: fail what is in flight, keep serving
                     traceback.print_exc()
-                    self._abort(list(self._requests.values()), f"internal error: {type(e).__name__}: {e}")
+                    self._abort(list(self._requests.values()), f"{INTERNAL_ERROR_PREFIX}: {type(e).__name__}: {e}")
                     continue
             for request in ready:
                 self._emit(request)
@@ -164,7 +166,7 @@ class EngineLoop:
     def _step(self) -> tuple[list[_Request], StepReport]:
         """One iteration under the lock: drain deadline, cancellations, one engine step."""
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
-            self._abort(list(self._requests.values()), "the server is shutting down; the request was aborted")
+            self._abort(list(self._requests.values()), f"{SHUTTING_DOWN_MESSAGE}; the request was aborted")
         cancelled = self._drop_cancelled()
         outputs = []
         if self.engine.has_unfinished():
@@ -186,7 +188,7 @@ class EngineLoop:
             return 0
         self._next_cancel_check = now + CANCEL_CHECK_SECONDS
         cancelled = [r for r in self._requests.values() if _is_cancelled(r)]
-        self._abort(cancelled, "request cancelled")
+        self._abort(cancelled, CANCELLED_MESSAGE)
         return len(cancelled)
 
     def _abort(self, requests: list[_Request], message: str) -> None:
@@ -200,7 +202,7 @@ class EngineLoop:
         if not request.streaming and not seq.finished:
             return
         window, read_offset = token_window(seq.output_ids, request.shown)
-        chunk = Chunk(window, read_offset, seq.finished, seq.finish_reason, seq.stats, self.engine.block_size)
+        chunk = Chunk(window, read_offset, seq.finished, seq.finish_reason, seq.stats)
         request.shown = len(seq.output_ids)
         try:
             request.stream.send(chunk)
@@ -211,16 +213,14 @@ class EngineLoop:
                     self._requests.pop(seq, None)
 
     def _report(self, outputs: list[StepOutput], cancelled: int) -> StepReport:
-        engine = self.engine
-        slots = engine.target_cache.lengths.numel()
-        used = sum(s.num_tokens for s in engine.running)
+        occupancy = self.engine.occupancy()
         return StepReport(
             acceptance_lengths=[o.acceptance_length for o in outputs if o.acceptance_length is not None],
-            seconds=dict(engine.last_step_seconds),
+            seconds=dict(self.engine.last_step_seconds),
             new_tokens=sum(len(o.new_token_ids) for o in outputs),
-            active=len(engine.running),
-            queued=len(engine.waiting),
-            kv_cache_utilization=used / (slots * engine.max_context),
+            active=occupancy.running,
+            queued=occupancy.waiting,
+            kv_cache_utilization=occupancy.kv_cache_utilization,
             cancelled=cancelled,
         )
 

@@ -17,33 +17,11 @@ import time
 
 import torch
 
-from .config import DFlashError
-from .presets import DEFAULT_PRESET
-from .sampling import SamplingParams, SamplingStats
+from dflash_contract import DFlashError
+from dflash_contract.presets import DEFAULT_PRESET
+from dflash_runtime.sampling import SamplingParams, SamplingStats
 
-CHAT_PROMPTS = [
-    "Explain what a hash table is and when to use one.",
-    "Write a short story about a robot learning to paint.",
-    "What are three tips for staying focused while studying?",
-    "How does photosynthesis work? Explain it simply.",
-]
-
-
-def prompt_set(source: str, count: int) -> list[str]:
-    """chat | humaneval | sharegpt (held-out split) | a JSONL file path."""
-    from .prompts import humaneval_prompts, jsonl_prompts, sharegpt_conversations
-
-    if source == "chat":
-        prompts = CHAT_PROMPTS
-    elif source == "humaneval":
-        prompts = [f"Complete this Python function.\n\n{p}" for p in humaneval_prompts()]
-    elif source == "sharegpt":
-        prompts = (p for p, _ in sharegpt_conversations("heldout") if len(p) < 400)
-    elif source.endswith(".jsonl"):
-        prompts = jsonl_prompts(source)
-    else:
-        raise DFlashError(f"unknown prompt set {source!r} (chat, humaneval, sharegpt, or a .jsonl file)")
-    return list(itertools.islice(prompts, count))
+from .prompts import prompt_set
 
 
 class Mode:
@@ -110,7 +88,7 @@ def measure(pipe, hf, autoregressive, dflash, prompts: list[list[int]], max_new_
 
 
 def run(args) -> dict:
-    from .pipeline import load_pipeline
+    from dflash_runtime.pipeline import load_pipeline
 
     torch.manual_seed(0)
     pipe = load_pipeline(args.target, args.drafter)

@@ -1,4 +1,4 @@
-"""Prompt sets from installed packages (never a hub): ShareGPT V3, HumanEval, and user JSONL files.
+"""Prompt sets from installed packages (never a hub): ShareGPT V3, HumanEval, and user JSONL files. No torch.
 
 ShareGPT split: conversation i (in file order) is held out for evaluation when i % 20 == 0, else it may
 be used for training. HumanEval is never used for training.
@@ -6,11 +6,12 @@ be used for training. HumanEval is never used for training.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 from pathlib import Path
 from typing import Iterator
 
-from .config import DFlashError
+from dflash_contract import DFlashError
 
 HELD_OUT_EVERY = 20
 
@@ -75,3 +76,26 @@ def jsonl_prompts(path: str | Path) -> list[str]:
             raise DFlashError(f"{path}:{n}: expected a non-empty \"prompt\" string")
         prompts.append(prompt)
     return prompts
+
+
+CHAT_PROMPTS = [
+    "Explain what a hash table is and when to use one.",
+    "Write a short story about a robot learning to paint.",
+    "What are three tips for staying focused while studying?",
+    "How does photosynthesis work? Explain it simply.",
+]
+
+
+def prompt_set(source: str, count: int) -> list[str]:
+    """chat | humaneval | sharegpt (held-out split) | a JSONL file path."""
+    if source == "chat":
+        prompts = CHAT_PROMPTS
+    elif source == "humaneval":
+        prompts = [f"Complete this Python function.\n\n{p}" for p in humaneval_prompts()]
+    elif source == "sharegpt":
+        prompts = (p for p, _ in sharegpt_conversations("heldout") if len(p) < 400)
+    elif source.endswith(".jsonl"):
+        prompts = jsonl_prompts(source)
+    else:
+        raise DFlashError(f"unknown prompt set {source!r} (chat, humaneval, sharegpt, or a .jsonl file)")
+    return list(itertools.islice(prompts, count))

@@ -1,0 +1,110 @@
+"""The build's options and its command line: plain Python, so deploy/k8s/render.py validates a build
+Job's flags with the builder's own parser without importing torch.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_contract import DFlashError
+from dflash_contract.presets import DEFAULT_PRESET, preset_table
+
+RUNTIMES = ("torch", "trtllm")
+QUANT_FORMATS = ("none", "fp8", "nvfp4")
+KV_CACHE_FORMATS = ("none", "fp8")
+
+BUILD_DESCRIPTION = """python builder/build.py: a target and its DFlash drafter -> a deployable, self-describing build.
+
+    <output>/
+      target/            the target checkpoint (a ModelOpt unified HF checkpoint with --quant)
+      drafter/           the DFlash drafter (z-lab format)
+      model_repository/  the Triton model repository rendered for this build
+      manifest.json      inputs (ids, paths, file hashes), options, package versions, quantization
+                         report, sanity run (tau, speed, token identity), time taken
+
+The build is written to a temporary folder beside <output> and renamed at the end: a failed or
+interrupted build never looks complete. Re-running with the same inputs, options, model-repository
+templates and project version reuses the existing build (compared by hash); --force rebuilds.
+"""
+
+
+def check_quant_formats(quant: str, kv_cache: str) -> None:
+    """Refuse unknown formats before any expensive work (the build and quantize_target both call this)."""
+    if quant not in QUANT_FORMATS:
+        raise DFlashError(f"unknown quantization {quant!r} (known: {', '.join(QUANT_FORMATS)})")
+    if kv_cache not in KV_CACHE_FORMATS:
+        raise DFlashError(f"unknown KV-cache quantization {kv_cache!r} (known: {', '.join(KV_CACHE_FORMATS)})")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    target: str
+    drafter: str  # "preset", a directory, or "none"
+    runtime: str = "torch"
+    quant: str = "none"
+    kv_cache: str = "none"
+    calib_samples: int = 128
+    block_size: int | None = None
+    max_batch_size: int = 8
+    max_context: int | None = None
+    max_queue_size: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+    gpu: str | None = None  # trtllm: the serving GPU (h100, b200, ...), checked against the quantization
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    sanity_tokens: int = 32
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="build.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=BUILD_DESCRIPTION,
+        epilog=f"presets:\n{preset_table()}\n\nexamples:\n"
+               "  python builder/build.py                                   # embedded default -> builds/smollm2-135m\n"
+               "  python builder/build.py --target smollm2-135m --quant fp8 --output builds/smollm2-fp8\n"
+               "  python builder/build.py --target qwen3-8b --dry-run       # print the plan only\n"
+               "  python builder/build.py --target ./my-llama --drafter ./my-drafter --output builds/mine\n"
+               "  python builder/build.py --target ./my-llama --train-drafter='--max-minutes 600'  # train first\n\n"
+               "runtimes: torch = this project's PyTorch engine (CPU or CUDA). TensorRT-LLM supports DFlash only in "
+               "its PyTorch backend (>= 1.3, LLM API); the legacy trtllm-build engine flow has no DFlash.")
+    parser.add_argument("--target", default=DEFAULT_PRESET,
+                        help=f"preset or HF checkpoint directory (default: {DEFAULT_PRESET})")
+    parser.add_argument("--drafter", default="preset", help="drafter directory, 'preset' (default) or 'none'")
+    parser.add_argument("--train-drafter", metavar="ARGS",
+                        help="first train a drafter for the target with dflash-train-drafter ARGS, then build "
+                             "with it; write --train-drafter='ARGS' (see dflash-train-drafter --help); resumable in "
+                             "runs/<target>-drafter unless ARGS name an --output")
+    parser.add_argument("--output", type=Path, help="build folder (default: builds/<target name>)")
+    parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
+                        help="torch: this project's engine (CPU/CUDA) behind Triton's Python backend; trtllm: "
+                             "TensorRT-LLM >= 1.3 PyTorch backend, LLM-API options (no trtllm-build: no DFlash there)")
+    parser.add_argument("--gpu", help="trtllm: serving GPU (a100, l40s, h100, h200, b200, ...); checks the "
+                                      "quantization")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="trtllm: GPUs per pipeline stage")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="trtllm: pipeline stages")
+    parser.add_argument("--quant", default="none", choices=QUANT_FORMATS, help="ModelOpt quantization of the target")
+    parser.add_argument("--kv-cache", default="none", choices=KV_CACHE_FORMATS,
+                        help="KV-cache quantization (with --quant)")
+    parser.add_argument("--calib-samples", type=int, default=128, help="ShareGPT calibration prompts for --quant")
+    parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
+    parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (KV-cache slots)")
+    parser.add_argument("--max-context", type=int, help="context limit in tokens (default: the preset's, else 2048)")
+    parser.add_argument("--max-queue-size", type=int, default=64, help="requests that may wait for a slot")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="torch runtime device (cpu, cuda)")
+    parser.add_argument("--sanity-tokens", type=int, default=32, help="tokens per sanity prompt; 0 skips the run")
+    parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> BuildOptions:
+    return BuildOptions(target=args.target, drafter=args.drafter, runtime=args.runtime, quant=args.quant,
+                        kv_cache=args.kv_cache, calib_samples=args.calib_samples, block_size=args.block_size,
+                        max_batch_size=args.max_batch_size, max_context=args.max_context,
+                        max_queue_size=args.max_queue_size, dtype=args.dtype, device=args.device, gpu=args.gpu,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size, sanity_tokens=args.sanity_tokens)

