@@ -189,11 +189,7 @@ class SpeculativeEngine:
         # Only the tail can hold a new match: the longest stop string plus a few tokens of slack.
         window = max(map(len, seq.params.stop_strings)) + 8
         tail = self.decode(seq.output_ids[-window:])
-        for stop in seq.params.stop_strings:
-            if stop in tail:
-                seq.matched_stop_string = stop
-                return True
-        return False
+        return any(stop in tail for stop in seq.params.stop_strings)
 
 
 def _check_sizes(drafter: DFlashDrafter | None, block_size: int, max_batch_size: int) -> None:

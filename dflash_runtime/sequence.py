@@ -20,7 +20,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length", "cancelled"
-    matched_stop_string: str | None = None
     slot: int | None = None
     stats: SamplingStats = field(default_factory=SamplingStats)
 
