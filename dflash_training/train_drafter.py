@@ -607,7 +607,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--tau-prompts", type=int, default=4, help="held-out prompts decoded at each evaluation to measure tau")
+    p.add_argument("--tau-prompts", type=int, default=4,
+                   help="held-out prompts decoded at each evaluation to measure tau")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")

@@ -31,11 +31,14 @@ def test_drafter_checkpoint_is_in_the_zlab_format(tiny):
 
 
 @pytest.mark.parametrize("name,edit_config,edit_state,message", [
-    ("missing-tensor", None, lambda s: s.pop("layers.0.mlp.up_proj.weight"), "missing tensors layers.0.mlp.up_proj.weight"),
+    ("missing-tensor", None, lambda s: s.pop("layers.0.mlp.up_proj.weight"),
+     "missing tensors layers.0.mlp.up_proj.weight"),
     ("wrong-shape", None, lambda s: s.update({"fc.weight": torch.zeros(64, 64)}), "wrong shapes fc.weight"),
     ("extra-tensor", None, lambda s: s.update({"layers.0.extra": torch.zeros(1)}), "unexpected tensors layers.0.extra"),
-    ("layer-ids", lambda c: c["dflash_config"].update(target_layer_ids=[1, 9]), None, r"target_layer_ids \[9\] out of range"),
-    ("mask-id", lambda c: c["dflash_config"].update(mask_token_id=VOCAB), None, "mask_token_id 128 outside the vocabulary"),
+    ("layer-ids", lambda c: c["dflash_config"].update(target_layer_ids=[1, 9]), None,
+     r"target_layer_ids \[9\] out of range"),
+    ("mask-id", lambda c: c["dflash_config"].update(mask_token_id=VOCAB), None,
+     "mask_token_id 128 outside the vocabulary"),
     ("no-mask", lambda c: c["dflash_config"].pop("mask_token_id"), None, "missing dflash_config.mask_token_id"),
     ("arch", lambda c: c.update(architectures=["Qwen3ForCausalLM"]), None, "DFlashDraftModel"),
     ("hidden", lambda c: c.update(num_target_layers=7), None, "num_target_layers 7"),
@@ -72,8 +75,9 @@ def test_sharded_target_loads_like_the_single_file(tiny, tmp_path):
 def test_rope_base_is_read_from_either_transformers_spelling():
     assert read_rope({"rope_theta": 100000.0}, "x").theta == 100000.0  # transformers 4.x
     assert read_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}, "x").theta == 100000.0
-    legacy = read_rope({"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "x")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    legacy = read_rope({"rope_theta": 5e5, "rope_scaling": scaling}, "x")
     assert legacy.llama3_scaling == (8.0, 1.0, 4.0, 8192)
     with pytest.raises(DFlashError, match="no RoPE base"):
         read_rope({}, "x")

@@ -139,7 +139,8 @@ def test_cancel_frees_the_slot_and_spares_the_others(tiny):
     solo = SpeculativeEngine(target, drafter, block_size=BLOCK)
     assert keep.output_ids == solo.generate([PROMPTS[0]], params)[0].output_ids
     assert waiting.output_ids == solo.generate([PROMPTS[2]], params)[0].output_ids
-    assert engine.occupancy() == Occupancy(running=0, waiting=0, free_slots=2, committed_tokens=0, token_capacity=2 * engine.max_context)
+    assert engine.occupancy() == Occupancy(running=0, waiting=0, free_slots=2, committed_tokens=0,
+                                           token_capacity=2 * engine.max_context)
 
 
 def test_scheduler_admits_into_free_slots_and_frees_them():
@@ -197,7 +198,8 @@ def test_thread_split_linears_stay_token_identical(tiny):
     torch.set_num_threads(2)
     try:
         target, drafter = load_pair(tiny)
-        assert isinstance(target.lm_head, ThreadSplitLinear) and isinstance(drafter.layers[0].mlp.gate_up, ThreadSplitLinear)
+        assert isinstance(target.lm_head, ThreadSplitLinear)
+        assert isinstance(drafter.layers[0].mlp.gate_up, ThreadSplitLinear)
         seqs = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=4).generate(
             PROMPTS, SamplingParams(max_new_tokens=NEW))
     finally:

@@ -63,7 +63,8 @@ def test_reference_equals_the_unfused_drafter_layer(shape):
             start += count
         cache_k, cache_v = new_cache(kv_heads, head_dim)
         kv_injection_reference(batch["context"], batch["k_weight"], batch["v_weight"], batch["k_norm_weight"],
-                               rope.inverse_frequencies(head_dim), batch["positions"], batch["slots"], cache_k, cache_v, 1e-6)
+                               rope.inverse_frequencies(head_dim), batch["positions"], batch["slots"], cache_k, cache_v,
+                               1e-6)
     torch.testing.assert_close(cache_k, unfused.k[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache_v, unfused.v[0], rtol=1e-5, atol=1e-5)
     assert cache_k[1, :, 31].abs().sum() > 0  # the cache's last position was written
@@ -106,7 +107,8 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
     assert len(rows) == 6
     tolerance = {"float32": 1e-5, "bfloat16": 2 ** -7, "float16": 2 ** -10}
     for shape, dtype, k_error, v_error in rows:
-        assert float(k_error) <= tolerance[dtype] and float(v_error) <= tolerance[dtype], (shape, dtype, k_error, v_error)
+        within = float(k_error) <= tolerance[dtype] and float(v_error) <= tolerance[dtype]
+        assert within, (shape, dtype, k_error, v_error)
 
 
 def test_custom_op_registration_and_fake_kernel():

@@ -122,7 +122,8 @@ def test_target_responses_are_its_greedy_output_resume_and_train_a_drafter(tmp_p
 
 
 def test_blocks_start_at_the_first_anchor(tiny):
-    """An anchor never lies before its sequence's first anchor: from the last possible one only position 1 has a label."""
+    """An anchor never lies before its sequence's first anchor: from the last possible one only position 1 has
+    a label."""
     target = load_target(tiny[0])
     drafter = new_drafter(target, num_layers=1, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=(1, 3))
     batch = [list(range(5, 45)), list(range(7, 37))]

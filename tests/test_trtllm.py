@@ -121,7 +121,8 @@ def test_options_obey_upstream_validators():
 
 
 @pytest.mark.parametrize("bad", [dict(tensor_parallel_size=0), dict(pipeline_parallel_size=-1),
-                                 dict(free_gpu_memory_fraction=1.5), dict(free_gpu_memory_fraction="0.5"), dict(kv_cache_dtype="int8"),
+                                 dict(free_gpu_memory_fraction=1.5), dict(free_gpu_memory_fraction="0.5"),
+                                 dict(kv_cache_dtype="int8"),
                                  dict(max_batch_size=8, cuda_graph_batch_sizes=(1, 16)), dict(max_seq_len=0),
                                  dict(dflash_attention_backend="FLASH")])
 def test_bad_options_are_refused(bad):
@@ -228,8 +229,9 @@ def test_dflash_serve_adds_the_image_model_code_to_a_trtllm_repository(tmp_path)
     with pytest.raises(serve.ServeError, match="tritonserver:<yy.mm>-trtllm-python-py3"):
         serve.stage_trtllm_repository(repository, tmp_path, tmp_path / "nowhere")
     assert serve.TRTLLM_MODEL_CODE == Path("/app/all_models/llmapi/tensorrt_llm/1")
-    assert "--trtllm-model-code" in subprocess.run([sys.executable, "-m", "deploy.serve", "--help"], capture_output=True,
-                                                   text=True, check=True, cwd=trtllm.TEMPLATE_DIR.parents[1]).stdout
+    usage = subprocess.run([sys.executable, "-m", "deploy.serve", "--help"], capture_output=True, text=True, check=True,
+                           cwd=trtllm.TEMPLATE_DIR.parents[1]).stdout
+    assert "--trtllm-model-code" in usage
 
 
 # --- GPU generation x quantization ------------------------------------------------------------------
