@@ -82,7 +82,7 @@ class DFlashDrafter(nn.Module):
         cache.check_positions(positions)
         context = self.context(features).flatten(0, 1)  # [B * T, hidden]
         token_positions = positions.flatten()
-        token_slots = slots[:, None].expand_as(positions).flatten()
+        token_slots = slots.repeat_interleave(positions.shape[1])  # contiguous: the kernel reads it with unit stride
         inv_freq = self.rotary.inverse_frequencies(context.device)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn

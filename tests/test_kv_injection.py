@@ -2,6 +2,7 @@
 interpreter vs the reference, and the torch.library registration."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,8 +14,8 @@ import torch
 from dflash_runtime.config import DrafterConfig, RopeConfig, TransformerShape
 from dflash_runtime.drafter import DFlashDrafter
 from dflash_runtime.kv_cache import KVCache
-from dflash_runtime.kv_injection import kv_injection_reference
-from dflash_runtime.kv_injection import kv_injection
+from dflash_runtime.kv_injection import kv_injection, kv_injection_reference
+from dflash_runtime.kv_injection.op import check_arguments
 
 # (hidden, kv_heads, head_dim, rope base): the embedded default's drafter and Qwen3-8B's
 SHAPES = {"smollm2-135m": (576, 3, 64, 100000.0), "qwen3-8b": (4096, 8, 128, 1000000.0)}
@@ -109,6 +110,124 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
     for shape, dtype, k_error, v_error in rows:
         within = float(k_error) <= tolerance[dtype] and float(v_error) <= tolerance[dtype]
         assert within, (shape, dtype, k_error, v_error)
+
+
+INDEX_VIEWS_CHECK = textwrap.dedent("""
+    import sys, torch
+    sys.path[:0] = [{tests!r}, {repo!r}]
+    from test_kv_injection import SHAPES, ragged_batch, new_cache
+    from dflash_runtime.config import RopeConfig
+    from dflash_runtime.kv_injection import kv_injection_reference
+    from dflash_runtime.kv_injection.triton_kernel import kv_injection_triton
+    hidden, kv_heads, head_dim, base = SHAPES["smollm2-135m"]
+    batch = ragged_batch(hidden, kv_heads, head_dim)
+    n = len(batch["positions"])
+    views = {{
+        # one sequence's slot broadcast to its tokens: how the drafter once built it (stride 0)
+        "stride-0 slots": (batch["positions"], torch.tensor([1]).expand(n)),
+        "strided positions": (torch.stack([batch["positions"], batch["positions"]], 1)[:, 0], batch["slots"]),
+    }}
+    inv_freq = RopeConfig(base).inverse_frequencies(head_dim)
+    for name, (positions, slots) in views.items():
+        assert not positions.is_contiguous() or not slots.is_contiguous(), name
+        caches = []
+        for op in (kv_injection_reference, kv_injection_triton):
+            cache_k, cache_v = new_cache(kv_heads, head_dim)
+            op(batch["context"], batch["k_weight"], batch["v_weight"], batch["k_norm_weight"], inv_freq, positions,
+               slots, cache_k, cache_v, 1e-6)
+            caches.append(torch.cat([cache_k, cache_v]))
+        print(name, ((caches[0] - caches[1]).abs().max() / caches[0].abs().max()).item())
+""")
+
+
+def test_triton_kernel_reads_index_views_as_the_reference_does():
+    # Before: the kernel read slots with unit stride, so the stride-0 view the drafter made for a single
+    # sequence was read past its end and K/V went outside the cache (an H200 crashed on it).
+    here = os.path.dirname(__file__)
+    run = subprocess.run([sys.executable, "-c", INDEX_VIEWS_CHECK.format(tests=here, repo=os.path.dirname(here))],
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.rsplit(None, 1) for line in run.stdout.splitlines()]
+    assert [name for name, _ in rows] == ["stride-0 slots", "strided positions"]
+    assert all(float(error) <= 1e-5 for _, error in rows), rows
+
+
+ENGINE_RUNS = textwrap.dedent("""
+    import json, sys
+    sys.path[:0] = [{tests!r}, {repo!r}]
+    from conftest import BLOCK, PROMPTS
+    from dflash_runtime import SamplingParams, SpeculativeEngine, load_drafter, load_target
+    target = load_target({target!r})
+    drafter = load_drafter({drafter!r}, target.config)
+    params = SamplingParams(max_new_tokens=24)
+    runs = {{"batch 1": (PROMPTS[:1], 1), "ragged batch": (PROMPTS, 4), "continuous batching": (PROMPTS, 2)}}
+    for name, (prompts, slots) in runs.items():
+        seqs = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=slots).generate(prompts, params)
+        print(json.dumps([name, [s.output_ids for s in seqs], [s.stats.acceptance_lengths for s in seqs]]))
+""")
+
+
+def test_engine_with_the_kernel_under_the_interpreter_equals_the_reference(tiny):
+    # The engine's real calls (a prefill of one sequence, ragged batches, slots reused as requests come
+    # and go) through the Triton kernel: the arguments no kernel-only test had, on any machine.
+    here = os.path.dirname(__file__)
+    code = ENGINE_RUNS.format(tests=here, repo=os.path.dirname(here), target=str(tiny[0]), drafter=str(tiny[1]))
+    results = {}
+    for implementation, extra in (("triton", {"TRITON_INTERPRET": "1"}), ("reference", {})):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                             env={**os.environ, "DFLASH_KV_INJECTION": implementation, **extra})
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[implementation] = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r[0] for r in results["triton"]] == ["batch 1", "ragged batch", "continuous batching"]
+    assert results["triton"] == results["reference"]  # the same tokens and the same accepted drafts
+    assert any(length > 1 for run in results["triton"] for lengths in run[2] for length in lengths)
+
+
+def test_bad_arguments_are_refused_at_the_op():
+    hidden, kv_heads, head_dim, base = SHAPES["smollm2-135m"]
+    batch = ragged_batch(hidden, kv_heads, head_dim)
+    inv_freq = RopeConfig(base).inverse_frequencies(head_dim)
+    good = dict(context=batch["context"], k_weight=batch["k_weight"], v_weight=batch["v_weight"],
+                k_norm_weight=batch["k_norm_weight"], inv_freq=inv_freq, positions=batch["positions"],
+                slots=batch["slots"], cache_k=new_cache(kv_heads, head_dim)[0], cache_v=new_cache(kv_heads, head_dim)[1])
+    check_arguments(**good)
+    bad = {
+        "slots has shape": dict(slots=batch["slots"][:-1]),
+        "positions must be int32 or int64": dict(positions=batch["positions"].float()),
+        "k_weight has shape": dict(k_weight=batch["k_weight"][:, :-1]),
+        "inv_freq has shape": dict(inv_freq=inv_freq[:-1]),
+        "cache_v has shape": dict(cache_v=torch.zeros(3, kv_heads, 16, head_dim)),
+        "context must be": dict(context=batch["context"][None]),
+        "is on meta": dict(slots=batch["slots"].to("meta")),
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError, match=message):
+            check_arguments(**{**good, **change})
+    with pytest.raises(ValueError, match="slots has shape"):  # through the op itself
+        kv_injection(*{**good, "slots": batch["slots"][:-1]}.values(), 1e-6)
+
+
+def test_bounds_are_checked_when_asked():
+    code = textwrap.dedent("""
+        import sys, torch
+        sys.path[:0] = [{tests!r}, {repo!r}]
+        from test_kv_injection import SHAPES, ragged_batch, new_cache
+        from dflash_runtime.config import RopeConfig
+        from dflash_runtime.kv_injection import kv_injection
+        hidden, kv_heads, head_dim, base = SHAPES["smollm2-135m"]
+        batch = ragged_batch(hidden, kv_heads, head_dim)
+        try:
+            kv_injection(batch["context"], batch["k_weight"], batch["v_weight"], batch["k_norm_weight"],
+                         RopeConfig(base).inverse_frequencies(head_dim), batch["positions"] + 32, batch["slots"],
+                         *new_cache(kv_heads, head_dim), 1e-6)
+        except IndexError as e:
+            print(e)
+    """)
+    here = os.path.dirname(__file__)
+    code = code.format(tests=here, repo=os.path.dirname(here))
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DFLASH_CHECK_BOUNDS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert "positions span [32, 63], outside [0, 32)" in run.stdout, run.stderr[-2000:]
 
 
 def test_custom_op_registration_and_fake_kernel():

@@ -1,29 +1,68 @@
 """`torch.ops.dflash.kv_injection`: the fused op as a PyTorch custom op.
 
-CUDA tensors run the Triton kernel; everything else runs the reference. The fake implementation lets
-the op trace (torch.compile, export): it mutates the caches and returns nothing.
+CUDA tensors run the Triton kernel; everything else runs the reference. Two switches, read once:
+DFLASH_KV_INJECTION=reference|triton forces one implementation (the reference on a GPU to rule the
+kernel out; the kernel on a CPU under TRITON_INTERPRET=1, as the tests do), and DFLASH_CHECK_BOUNDS=1
+also checks every slot and position against the cache (a device-to-host copy per call, so off by
+default). Shapes, dtypes and devices are always checked: a wrong index tensor must be an error here,
+not a write outside the cache. The fake implementation lets the op trace (torch.compile, export): it
+mutates the caches and returns nothing.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from .reference import kv_injection_reference
+
+IMPLEMENTATIONS = ("auto", "reference", "triton")
+IMPLEMENTATION = os.environ.get("DFLASH_KV_INJECTION", "auto")
+if IMPLEMENTATION not in IMPLEMENTATIONS:
+    raise ValueError(f"DFLASH_KV_INJECTION={IMPLEMENTATION!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
+CHECK_BOUNDS = os.environ.get("DFLASH_CHECK_BOUNDS", "") not in ("", "0")
 
 
 @torch.library.custom_op("dflash::kv_injection", mutates_args=("cache_k", "cache_v"))
 def kv_injection(context: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor, k_norm_weight: torch.Tensor,
                  inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_k: torch.Tensor,
                  cache_v: torch.Tensor, eps: float) -> None:
-    if context.is_cuda:
+    check_arguments(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v)
+    args = (context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v, eps)
+    if IMPLEMENTATION == "triton" or (IMPLEMENTATION == "auto" and context.is_cuda):
         from .triton_kernel import kv_injection_triton
 
-        kv_injection_triton(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v,
-                            eps)
+        kv_injection_triton(*args)
     else:
-        kv_injection_reference(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k,
-                               cache_v, eps)
+        kv_injection_reference(*args)
 
 
 @kv_injection.register_fake
 def _(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v, eps) -> None:
     return None
+
+
+def check_arguments(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v) -> None:
+    """The op's contract (see reference.kv_injection_reference); ValueError naming what breaks it."""
+    n, hidden = context.shape if context.dim() == 2 else (-1, -1)
+    num_slots, kv_heads, capacity, head_dim = cache_k.shape if cache_k.dim() == 4 else (-1, -1, -1, -1)
+    expected = {"context": (context, (n, hidden)), "k_weight": (k_weight, (kv_heads * head_dim, hidden)),
+                "v_weight": (v_weight, (kv_heads * head_dim, hidden)), "k_norm_weight": (k_norm_weight, (head_dim,)),
+                "inv_freq": (inv_freq, (head_dim // 2,)), "positions": (positions, (n,)), "slots": (slots, (n,)),
+                "cache_v": (cache_v, tuple(cache_k.shape))}
+    if n < 0 or num_slots < 0:
+        raise ValueError(f"kv_injection: context must be [N, hidden] and the caches [slots, KV, capacity, D], got "
+                         f"{list(context.shape)} and {list(cache_k.shape)}")
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"kv_injection: {name} has shape {list(tensor.shape)}, expected {list(shape)}")
+        if tensor.device != cache_k.device:
+            raise ValueError(f"kv_injection: {name} is on {tensor.device}, the cache on {cache_k.device}")
+    for name, index in (("positions", positions), ("slots", slots)):
+        if index.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"kv_injection: {name} must be int32 or int64, got {index.dtype}")
+    if CHECK_BOUNDS and n:
+        for name, index, limit in (("positions", positions, capacity), ("slots", slots, num_slots)):
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= limit:
+                raise IndexError(f"kv_injection: {name} span [{low}, {high}], outside [0, {limit})")

@@ -75,13 +75,16 @@ def kv_injection_triton(context: torch.Tensor, k_weight: torch.Tensor, v_weight:
         raise ValueError(f"head_dim {head_dim}: the kernel needs head_dim / 2 to be a power of two")
     if cache_k.stride() != cache_v.stride() or cache_k.stride(3) != 1:
         raise ValueError("cache_k and cache_v need the same layout with a contiguous last dimension")
-    for name, t in (("context", context), ("k_weight", k_weight), ("v_weight", v_weight)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dimension")
-    if k_weight.stride(0) != hidden or v_weight.stride(0) != hidden:
-        raise ValueError("k_weight and v_weight rows must be contiguous")
+    for name, t in (("k_weight", k_weight), ("v_weight", v_weight)):
+        if t.stride() != (hidden, 1):  # fused q/k/v weights are row slices: contiguous, never copied here
+            raise ValueError(f"{name} needs contiguous rows")
     if n == 0:
         return
+    # The kernel indexes these with unit strides: a stride-0 view of one sequence's slot (or any other
+    # view) would be read past its end, and the cache written out of bounds. Each is a no-op when the
+    # tensor is contiguous already (the context is not when a CPU run splits the linear by threads).
+    context, positions, slots = context.contiguous(), positions.contiguous(), slots.contiguous()
+    k_norm_weight, inv_freq = k_norm_weight.contiguous(), inv_freq.contiguous()
     kv_injection_kernel[(n, kv_heads)](
         context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v,
         hidden, context.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
