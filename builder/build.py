@@ -138,8 +138,8 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
 
 def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
     """Autoregressive vs DFlash on the built artifacts: token identity, tau and speed."""
-    from dflash_tools.benchmark import measure
     from dflash_runtime.pipeline import load_pipeline
+    from dflash_tools.benchmark import measure
 
     drafter = str(build / DRAFTER_DIR) if inputs.drafter_dir else None
     pipe = load_pipeline(str(build / TARGET_DIR), drafter, opts.dtype, opts.device)
@@ -169,8 +169,11 @@ def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
               "drafter": file_hashes(inputs.drafter_dir) if inputs.drafter_dir else {}}
     key = build_key({**asdict(opts), "block_size": inputs.block_size, "max_context": inputs.max_context}, hashes)
     if (output / MANIFEST_FILE).is_file() and not force:
-        existing = read_manifest(output).data
-        if existing["build_key"] == key:
+        try:
+            existing = read_manifest(output).data
+        except DFlashError:  # unreadable or not a manifest: nothing to reuse, rebuilt like any stale build
+            existing = {}
+        if existing.get("build_key") == key:
             return {**existing, "reused": True}
     stage = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     try:
