@@ -24,7 +24,8 @@ from builder.options import RUNTIMES, BuildOptions, build_parser, check_quant_fo
 from builder.render import TORCH_MODELS, render_repository
 from dflash_contract import DFlashError
 from dflash_contract.layout import (DRAFTER_DIR, MANIFEST_FILE, REPOSITORY_DIR, TARGET_DIR, TRTLLM_OPTIONS_FILE,
-                                    build_key, file_hashes, read_manifest)
+                                    VERIFY_PROFILE_FILE, build_key, file_hashes, read_manifest)
+from dflash_contract.presets import AUTO_BLOCK_SIZE
 from dflash_runtime.checkpoint import resolve_checkpoint, resolve_target
 from dflash_runtime.config import DrafterConfig, TargetConfig
 
@@ -38,8 +39,13 @@ class Inputs:
     drafter_dir: Path | None
     drafter: DrafterConfig | None
     preset: str | None
-    block_size: int
+    block_size: int | str  # or "auto"
     max_context: int
+
+    @property
+    def profiles(self) -> bool:
+        """Whether the engine picks verify lengths from a profile of step times (block size auto)."""
+        return self.block_size == AUTO_BLOCK_SIZE
 
 
 def resolve_inputs(opts: BuildOptions) -> Inputs:
@@ -66,15 +72,16 @@ def resolve_inputs(opts: BuildOptions) -> Inputs:
     else:
         drafter_dir = resolve_checkpoint(drafter_ref)
     target_config = TargetConfig.from_dir(target_dir)
-    block_size = opts.block_size or 1
+    block_size = opts.block_size
     drafter_config = None
     if drafter_dir is not None:
         drafter_config = DrafterConfig.from_dir(drafter_dir)
         drafter_config.check_against(target_config, str(drafter_dir))
-        block_size = opts.block_size or drafter_config.block_size
-        if block_size > drafter_config.block_size:
+        if block_size != AUTO_BLOCK_SIZE and block_size > drafter_config.block_size:
             raise DFlashError(f"--block-size {block_size} is larger than the drafter supports "
                               f"({drafter_config.block_size})")
+    elif block_size == AUTO_BLOCK_SIZE:
+        block_size = 1  # nothing to choose from: plain decoding (the plan says so)
     elif block_size != 1:
         raise DFlashError(f"--block-size {block_size} needs a drafter")
     max_context = opts.max_context or (preset.max_context if preset else 2048)
@@ -83,7 +90,8 @@ def resolve_inputs(opts: BuildOptions) -> Inputs:
 
 def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
     steps = [f"target   {inputs.target_dir}" + (f" (preset {inputs.preset})" if inputs.preset else ""),
-             f"drafter  {inputs.drafter_dir or 'none (plain autoregressive)'}, block size {inputs.block_size}"]
+             f"drafter  {inputs.drafter_dir or 'none (plain autoregressive)'}, block size {inputs.block_size}"
+             + (f" (up to {inputs.drafter.block_size})" if inputs.profiles else "")]
     if opts.quant == "none":
         steps.append(f"copy the target into {output / TARGET_DIR}")
     else:
@@ -100,7 +108,9 @@ def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
                      f"model repository into {output / REPOSITORY_DIR}; validate them where tensorrt_llm imports")
     if opts.sanity_tokens:
         steps.append(f"sanity run: {len(SANITY_PROMPTS)} prompts x {opts.sanity_tokens} tokens, "
-                     "autoregressive vs DFlash, token identity, tau")
+                     "autoregressive vs DFlash, token identity, tau"
+                     + (f"; profile step times for block size auto -> {output / VERIFY_PROFILE_FILE}"
+                        if inputs.profiles else ""))
     steps.append(f"write {output / MANIFEST_FILE}")
     return steps
 
@@ -127,6 +137,8 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
         "target_dir": f"../{TARGET_DIR}",
         "drafter_dir": f"../{DRAFTER_DIR}" if inputs.drafter_dir else "",
         "block_size": inputs.block_size,
+        # made by the sanity run; without one the server profiles when it starts
+        "verify_profile": f"../{VERIFY_PROFILE_FILE}" if inputs.profiles and opts.sanity_tokens else "",
         "max_context": inputs.max_context,
         "max_queue_size": opts.max_queue_size,
         "dtype": opts.dtype,
@@ -137,7 +149,9 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
 
 
 def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
-    """Autoregressive vs DFlash on the built artifacts: token identity, tau and speed."""
+    """Autoregressive vs DFlash on the built artifacts: token identity, tau and speed. With block size
+    auto, the engine's profile of step times (all batch sizes up to the build's) goes to
+    VERIFY_PROFILE_FILE for the server."""
     from dflash_runtime.pipeline import load_pipeline
     from dflash_tools.benchmark import measure
 
@@ -145,8 +159,16 @@ def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
     pipe = load_pipeline(str(build / TARGET_DIR), drafter, opts.dtype, opts.device)
     prompts = [pipe.encode(p) for p in SANITY_PROMPTS]
     autoregressive = pipe.engine(block_size=1, max_batch_size=1, max_context=inputs.max_context)
-    dflash = pipe.engine(block_size=inputs.block_size, max_batch_size=1, max_context=inputs.max_context)
-    return measure(pipe, None, autoregressive, dflash, prompts, opts.sanity_tokens, "sanity")
+    dflash = pipe.engine(block_size=inputs.block_size, max_batch_size=opts.max_batch_size,
+                         max_context=inputs.max_context)
+    result = measure(pipe, None, autoregressive, {str(inputs.block_size): dflash}, prompts, opts.sanity_tokens,
+                     "sanity")
+    if dflash.policy is not None:
+        profile = dflash.policy.costs.to_json()
+        (build / VERIFY_PROFILE_FILE).write_text(json.dumps(profile, indent=2) + "\n")
+        rates = [round(p, 4) for p in dflash.policy.acceptance[True].rates()]  # the sanity run is greedy
+        result["verify_profile"] = {**profile, "acceptance_rates": rates}
+    return result
 
 
 def package_versions() -> dict[str, str | None]:
@@ -208,12 +230,12 @@ def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, h
                                        opts.calib_samples)
     if inputs.drafter_dir:
         copy_checkpoint(inputs.drafter_dir, stage / DRAFTER_DIR)
+    sanity = sanity_run(stage, inputs, opts) if opts.sanity_tokens else None
     trtllm = None
     if opts.runtime == "torch":
         render_repository(stage / REPOSITORY_DIR, repository_values(inputs, opts))
     else:
-        trtllm = write_trtllm_artifacts(stage, output, inputs, opts)
-    sanity = sanity_run(stage, inputs, opts) if opts.sanity_tokens else None
+        trtllm = write_trtllm_artifacts(stage, output, inputs, opts, (sanity or {}).get("verify_profile"))
     manifest = {
         "build_key": key,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -233,24 +255,29 @@ def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, h
     return manifest
 
 
-def write_trtllm_artifacts(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions) -> dict:
+def write_trtllm_artifacts(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions,
+                           verify_profile: dict | None) -> dict:
     """LLM-API options for TensorRT-LLM's PyTorch backend (DFlash) and the LLM-API model repository.
 
     The options name the build's final paths (where the server will find them); validation reads the
-    staged copies.
+    staged copies. Block size auto becomes a draft_len_schedule where the sanity run profiled a GPU
+    (a CPU profile says nothing of TensorRT-LLM on a GPU); otherwise the drafter's whole block.
     """
-    from builder.trtllm import (TrtllmOptions, llm_api_options, render_trtllm_repository, serve_command,
-                                validate_llm_args, write_extra_llm_api_options)
+    from builder.trtllm import (TrtllmOptions, draft_len_schedule, llm_api_options, render_trtllm_repository,
+                                serve_command, validate_llm_args, write_extra_llm_api_options)
 
     drafter = inputs.drafter
     if drafter is None:
         raise DFlashError("--runtime trtllm serves DFlash: it needs a drafter")
+    schedule = None
+    if inputs.profiles and verify_profile and opts.device.startswith("cuda"):
+        schedule = draft_len_schedule(verify_profile["seconds"], verify_profile["acceptance_rates"])
     options = llm_api_options(
-        drafter=output / DRAFTER_DIR, block_size=inputs.block_size,
+        drafter=output / DRAFTER_DIR, block_size=drafter.block_size if inputs.profiles else inputs.block_size,
         options=TrtllmOptions(tensor_parallel_size=opts.tensor_parallel_size,
                               pipeline_parallel_size=opts.pipeline_parallel_size,
                               max_batch_size=opts.max_batch_size, max_seq_len=inputs.max_context),
-        mask_token_id=drafter.mask_token_id, target_layer_ids=list(drafter.target_layer_ids))
+        mask_token_id=drafter.mask_token_id, target_layer_ids=list(drafter.target_layer_ids), schedule=schedule)
     write_extra_llm_api_options(options, stage / TRTLLM_OPTIONS_FILE)
     render_trtllm_repository(stage / REPOSITORY_DIR, options, model=output / TARGET_DIR)
     validation = validate_llm_args(options, model=stage / TARGET_DIR, speculative_model=stage / DRAFTER_DIR)
@@ -284,10 +311,11 @@ def summary(manifest: dict, output: Path) -> str:
     if manifest.get("trtllm"):
         rows.append(("tensorrt-llm", f"{manifest['trtllm']['options_file']}: {manifest['trtllm']['validation']}"))
     if sanity:
+        (block, dflash), = sanity["dflash"].items()
         rates = sanity["tokens_per_second"]
-        rows += [("sanity", f"tau {sanity['mean_acceptance_length']}, DFlash {rates['dflash']} tok/s vs "
+        rows += [("sanity", f"tau {dflash['mean_acceptance_length']}, DFlash {rates[f'dflash {block}']} tok/s vs "
                             f"autoregressive {rates['autoregressive']} tok/s "
-                            f"({sanity['speedup_dflash_vs_autoregressive']}x), "
+                            f"({dflash['speedup_vs_autoregressive']}x; verify lengths {dflash['verify_lengths']}), "
                             f"token-identical {sanity['token_identical_prompts']}")]
     rows += [("repository", str(output / REPOSITORY_DIR)), ("time", f"{manifest['seconds']} s"),
              ("serve", f"dflash-serve {output / REPOSITORY_DIR}" if options["runtime"] == "torch" else
@@ -324,12 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.train_drafter is not None:
             if args.drafter != "preset":
                 raise DFlashError("--train-drafter and --drafter both name the drafter")
-            if args.block_size is not None:
+            if args.block_size != AUTO_BLOCK_SIZE:
                 raise DFlashError("with --train-drafter the trainer sets the block size: "
                                   "--train-drafter='--block-size N ...'")
             training = drafter_training_args(args.target, args.train_drafter)
             # everything but the drafter is checked before hours of training
-            resolve_inputs(replace(opts, drafter="none", block_size=None))
+            resolve_inputs(replace(opts, drafter="none"))
             _check_writable(output.resolve().parent)
             opts = replace(opts, drafter=str(Path(training.output) / "drafter"))
         if args.dry_run:

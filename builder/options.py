@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_contract import DFlashError
-from dflash_contract.presets import DEFAULT_PRESET, preset_table
+from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, block_size_argument, preset_table
 
 RUNTIMES = ("torch", "trtllm")
 QUANT_FORMATS = ("none", "fp8", "nvfp4")
@@ -45,7 +45,7 @@ class BuildOptions:
     quant: str = "none"
     kv_cache: str = "none"
     calib_samples: int = 128
-    block_size: int | None = None
+    block_size: int | str = AUTO_BLOCK_SIZE
     max_batch_size: int = 8
     max_context: int | None = None
     max_queue_size: int = 64
@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache", default="none", choices=KV_CACHE_FORMATS,
                         help="KV-cache quantization (with --quant)")
     parser.add_argument("--calib-samples", type=int, default=128, help="ShareGPT calibration prompts for --quant")
-    parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
+    parser.add_argument("--block-size", type=block_size_argument, default=AUTO_BLOCK_SIZE,
+                        help=f"{AUTO_BLOCK_SIZE!r} (default): the engine picks each step's verify length up to the "
+                             "drafter's block, from a profile of step times the sanity run records; a number fixes it")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (KV-cache slots)")
     parser.add_argument("--max-context", type=int, help="context limit in tokens (default: the preset's, else 2048)")
     parser.add_argument("--max-queue-size", type=int, default=64, help="requests that may wait for a slot")

@@ -210,16 +210,39 @@ def max_draft_len_for(block_size: int) -> int:
     return block_size - 1
 
 
+def draft_len_schedule(profile: dict[int, dict[int, float]], rates: list[float]) -> dict[int, int]:
+    """TensorRT-LLM's `draft_len_schedule` from a profile of step seconds (batch size -> verify length ->
+    seconds) and the per-position acceptance rates: per profiled batch size, the draft length whose
+    expected tokens per second is highest. Upstream reads {B: d} as "batch sizes above the previous key,
+    up to B, draft d" and requires the smallest key's d to be max_draft_len; longer drafts at larger
+    batches (timing noise) are capped to it. An empty schedule: speculation does not pay at batch 1."""
+    from dflash_runtime.verify_length import expected_tokens
+
+    schedule = {}
+    for batch_size in sorted(profile):
+        seconds = profile[batch_size]
+        expected = expected_tokens(rates, tuple(seconds), len(rates) + 1)
+        schedule[batch_size] = max(seconds, key=lambda k: expected[k] / seconds[k]) - 1
+    first = schedule[min(schedule)]
+    return {b: min(d, first) for b, d in schedule.items()} if first > 0 else {}
+
+
 def llm_api_options(*, drafter: str | Path, block_size: int, options: TrtllmOptions = TrtllmOptions(),
-                    mask_token_id: int | None = None,
-                    target_layer_ids: list[int] | tuple[int, ...] | None = None) -> dict:
+                    mask_token_id: int | None = None, target_layer_ids: list[int] | tuple[int, ...] | None = None,
+                    schedule: dict[int, int] | None = None) -> dict:
     """The `TorchLlmArgs` fields for DFlash (no `model`: trtllm-serve takes it on its command line).
 
     `drafter` is the drafter checkpoint as the serving machine sees it (a path or a HF repo id).
     `mask_token_id` / `target_layer_ids` may be left out: upstream then reads them from the drafter's
-    `dflash_config` in config.json. Pass them to pin what the builder checked.
+    `dflash_config` in config.json. Pass them to pin what the builder checked. `schedule`: a
+    draft_len_schedule (draft_len_schedule()); its batch-1 draft length becomes max_draft_len.
     """
     max_draft_len = max_draft_len_for(block_size)
+    if schedule:
+        if not all(b >= 1 and 0 <= d <= schedule[min(schedule)] <= max_draft_len for b, d in schedule.items()):
+            raise DFlashError(f"draft_len_schedule {schedule} must map batch sizes >= 1 to draft lengths no longer "
+                              f"than its first (the batch-1 draft length, at most {max_draft_len})")
+        max_draft_len = schedule[min(schedule)]
     if options.max_num_tokens < max_draft_len + 1:
         raise DFlashError(f"max_num_tokens {options.max_num_tokens} cannot hold one verify step of "
                           f"{max_draft_len + 1} tokens (block size {block_size})")
@@ -230,6 +253,8 @@ def llm_api_options(*, drafter: str | Path, block_size: int, options: TrtllmOpti
         speculative["target_layer_ids"] = [int(i) for i in target_layer_ids]
     if options.dflash_attention_backend is not None:
         speculative["attention_backend"] = options.dflash_attention_backend
+    if schedule:
+        speculative["draft_len_schedule"] = {int(b): int(d) for b, d in sorted(schedule.items())}
     out = {
         "tensor_parallel_size": options.tensor_parallel_size,
         "pipeline_parallel_size": options.pipeline_parallel_size,

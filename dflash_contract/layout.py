@@ -25,6 +25,7 @@ DRAFTER_DIR = "drafter"
 REPOSITORY_DIR = "model_repository"
 TRTLLM_OPTIONS_FILE = "extra_llm_api_options.yaml"
 MANIFEST_FILE = "manifest.json"
+VERIFY_PROFILE_FILE = "verify_profile.json"  # step seconds by batch size and verify length, for block size auto
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,12 @@ is downloaded at run time.
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+
+from . import DFlashError
+
+AUTO_BLOCK_SIZE = "auto"  # each engine step picks its verify length (dflash_runtime/verify_length.py)
 
 
 @dataclass(frozen=True)
@@ -39,3 +44,24 @@ DEFAULT_PRESET = "smollm2-135m"
 def preset_table() -> str:
     """One line per preset, for --help epilogs."""
     return "\n".join(f"  {p.name:<20} {p.description}" for p in PRESETS.values())
+
+
+def parse_block_size(text: str) -> int | str:
+    """A block-size setting (flag, model parameter): "auto", or an integer >= 1 that fixes it."""
+    if text == AUTO_BLOCK_SIZE:
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise DFlashError(f"block size must be {AUTO_BLOCK_SIZE!r} or an integer >= 1, got {text!r}")
+    return value
+
+
+def block_size_argument(text: str) -> int | str:
+    """argparse type for --block-size: the message of a bad value reaches the user."""
+    try:
+        return parse_block_size(text)
+    except DFlashError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

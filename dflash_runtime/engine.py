@@ -1,8 +1,10 @@
 """The batched speculative engine: prefill, then per step {draft block -> verify block -> accept -> bonus}.
 
 Sequences join and leave the running batch between steps (continuous batching, see scheduler.py).
-One step runs one drafter pass and one target pass for the whole batch. Block size 1 (or no
-drafter) is plain autoregressive decoding through the same code, which makes it the fair baseline.
+One step runs one drafter pass and one target pass for the whole batch. The step's verify length k
+(the newest token + k - 1 drafts) is forced by an integer block size or chosen per step ("auto",
+verify_length.py); k = 1 skips the drafter. Block size 1 (or no drafter) is plain autoregressive
+decoding through the same code, which makes it the fair baseline.
 """
 from __future__ import annotations
 
@@ -12,12 +14,19 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
+from dflash_contract.presets import AUTO_BLOCK_SIZE
+
 from .config import DFlashError
 from .drafter import DFlashDrafter
 from .sampling import SamplingParams, choose_tokens
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence
 from .target import TargetModel
+from .verify_length import StepCosts, VerifyLengthPolicy, device_signature, doubling
+
+# Deferred context per sequence is written once it reaches this many tokens: features of a large target
+# are tens of KB per token, and "auto" may run hundreds of plain steps between drafts at a large batch.
+MAX_PENDING_CONTEXT = 64
 
 
 @dataclass
@@ -32,11 +41,16 @@ class StepOutput:
 
 
 class SpeculativeEngine:
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, *, block_size: int | None = None,
-                 max_batch_size: int = 8, max_context: int | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
-        """decode: token ids -> text, needed only for stop strings."""
-        if block_size is None:
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, *,
+                 block_size: int | str | None = AUTO_BLOCK_SIZE, max_batch_size: int = 8,
+                 max_context: int | None = None, decode: Callable[[list[int]], str] | None = None,
+                 step_costs: StepCosts | None = None):
+        """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
+        length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
+        to start "auto" from, used if it was made on this device (else the engine profiles itself).
+        decode: token ids -> text, needed only for stop strings."""
+        adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
+        if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
         _check_sizes(drafter, block_size, max_batch_size)
         self.target = target
@@ -53,6 +67,14 @@ class SpeculativeEngine:
         self.feature_layers = self.drafter.config.target_layer_ids if self.drafter else ()
         self.scheduler = Scheduler(max_batch_size, self.max_context)
         self.last_step_seconds = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}  # for latency metrics
+        self.last_verify_length: int | None = None  # None: the last step verified nothing
+        # slot -> (features [F], position) of committed tokens whose drafter context is not written yet
+        self.pending_context: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.policy = None
+        if adaptive and self.drafter is not None:
+            if step_costs is None or step_costs.device != device_signature(self.device):
+                step_costs = self._profile_step_costs()
+            self.policy = VerifyLengthPolicy(block_size, step_costs)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams) -> Sequence:
@@ -97,17 +119,45 @@ class SpeculativeEngine:
     def step(self) -> list[StepOutput]:
         """Admit and prefill waiting sequences, then one draft + verify pass for the running batch."""
         self.last_step_seconds = dict.fromkeys(self.last_step_seconds, 0.0)
+        self.last_verify_length = None
         outputs = [StepOutput(seq, self._commit(seq, self._prefill(seq))) for seq in self.scheduler.admit()]
         batch = self.scheduler.batch()
         if batch:
-            chosen = self._speculate(batch)
-            outputs += [StepOutput(seq, self._commit(seq, tokens), seq.stats.acceptance_lengths[-1])
-                        for seq, tokens in zip(batch, chosen)]
+            k = self._verify_length(batch)
+            chosen = self._speculate(batch, k)
+            if self.policy is not None:
+                seconds = self.last_step_seconds
+                self.policy.costs.observe(len(batch), k, seconds["draft"] + seconds["verify"])
+            for seq, (tokens, accepted) in zip(batch, chosen):
+                committed = self._commit(seq, tokens)
+                self._record(seq, accepted, k - 1, len(committed))
+                outputs.append(StepOutput(seq, committed, seq.stats.acceptance_lengths[-1]))
+            self.last_verify_length = k
         return outputs
+
+    def _verify_length(self, batch: list[Sequence]) -> int:
+        if self.policy is None:
+            return self.block_size
+        return self.policy.choose([self.policy.expected(s.params.greedy, s.stats, self._remaining(s)) for s in batch])
+
+    def _remaining(self, seq: Sequence) -> int:
+        return min(seq.params.max_new_tokens - len(seq.output_ids), self.max_context - seq.num_tokens)
+
+    def _record(self, seq: Sequence, accepted: int, drafted: int, emitted: int) -> None:
+        """Speculation statistics of one sequence's step, counting only what it emitted: a step cut
+        short by a stop or max_tokens counts its tokens, and says nothing of the drafts after them."""
+        if emitted == accepted + 1:
+            reached = min(drafted, accepted + 1)
+        else:
+            accepted = reached = emitted - 1
+        seq.stats.record(accepted, drafted, reached)
+        if self.policy is not None:
+            self.policy.acceptance[seq.params.greedy].observe(accepted, reached)
 
     def _prefill(self, seq: Sequence) -> list[int]:
         """The prompt's pass through the target; returns the first output token (as a list)."""
         n = len(seq.prompt_ids)
+        self.pending_context.pop(seq.slot, None)  # a finished sequence's, in the slot this one takes
         slots = self._tensor([seq.slot])
         tokens = self._tensor([seq.prompt_ids])
         positions = torch.arange(n, device=self.device)[None]
@@ -119,53 +169,100 @@ class SpeculativeEngine:
         self.last_step_seconds["prefill"] += seconds
         return choose_tokens(logits[0], seq.params, n)
 
-    def _speculate(self, batch: list[Sequence]) -> list[list[int]]:
-        """One draft pass and one verify pass for the whole batch; returns each sequence's accepted
-        drafts plus the target's token after them (the bonus), before any stop condition."""
+    def _speculate(self, batch: list[Sequence], k: int) -> list[tuple[list[int], int]]:
+        """One draft pass and one verify pass of length k for the whole batch; returns per sequence its
+        accepted drafts plus the target's token after them (the bonus), before any stop condition, and
+        how many drafts were accepted."""
         slots = self._tensor([s.slot for s in batch])
         starts = self._tensor([s.last_position for s in batch])
         positions = starts[:, None] + torch.arange(self.block_size, device=self.device)  # [B, S]
         t0 = time.perf_counter()
-        block = self._draft(batch, positions, slots)  # [B, S]
+        if k > 1:
+            self._write_pending_context(batch)
+        block = self._draft(batch, positions, slots, k)  # [B, k]
         t1 = time.perf_counter()
+        positions = positions[:, :k]
         logits, features = self.target(block, positions, self.target_cache, slots, self.feature_layers)
         chosen = [choose_tokens(logits[i], s.params, s.last_position + 1) for i, s in enumerate(batch)]
-        accepted = [self._accept(s, draft, tokens) for s, draft, tokens in zip(batch, block[:, 1:].tolist(), chosen)]
+        accepted = [_matching_prefix(draft, tokens) for draft, tokens in zip(block[:, 1:].tolist(), chosen)]
         # block[0..a] are now committed context; the bonus token's K/V comes with the next block
-        self._keep_context(features, positions, slots, starts + self._tensor(accepted) + 1)
+        self._keep_context(features, positions, slots, starts + self._tensor(accepted) + 1,
+                           deferred=batch if k == 1 else None)
         t2 = time.perf_counter()
         self.last_step_seconds["draft"] = t1 - t0
         self.last_step_seconds["verify"] = t2 - t1
         for seq in batch:
             seq.stats.draft_seconds += t1 - t0
             seq.stats.verify_seconds += t2 - t1
-        return [tokens[:a + 1] for tokens, a in zip(chosen, accepted)]
+        return [(tokens[:a + 1], a) for tokens, a in zip(chosen, accepted)]
 
-    def _draft(self, batch: list[Sequence], positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The block to verify: each sequence's newest token, then the drafter's guesses for the rest."""
+    def _draft(self, batch: list[Sequence], positions: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
+        """The k tokens to verify: each sequence's newest token, then the drafter's first k - 1 guesses.
+
+        The drafter always sees its whole block (its attention within the block is bidirectional, as
+        trained); only the guesses to verify go through the LM head, the costly part on a large vocab."""
         block = self._tensor([[s.output_ids[-1]] for s in batch])  # [B, 1]
-        if self.drafter is not None:
+        if k > 1:
             masks = torch.full((len(batch), self.block_size - 1), self.drafter.config.mask_token_id, device=self.device)
-            block = torch.cat([block, masks], dim=1)
-            hidden = self.drafter(self.target.embed(block), positions, self.draft_cache, slots)
-            block[:, 1:] = self.target.lm_head(hidden[:, 1:]).argmax(-1)
+            embeddings = self.target.embed(torch.cat([block, masks], dim=1))
+            hidden = self.drafter(embeddings, positions, self.draft_cache, slots)
+            block = torch.cat([block, self.target.lm_head(hidden[:, 1:k]).argmax(-1)], dim=1)
         return block
 
-    def _accept(self, seq: Sequence, draft: list[int], target_tokens: list[int]) -> int:
-        """How many drafts match the target's own choices (the longest matching prefix); recorded in seq.stats."""
-        a = 0
-        while a < len(draft) and draft[a] == target_tokens[a]:
-            a += 1
-        seq.stats.record(a, self.block_size - 1)
-        return a
-
     def _keep_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      lengths: torch.Tensor) -> None:
-        """Commit `lengths` tokens per slot; the drafter conditions on the target's features of the same tokens."""
+                      lengths: torch.Tensor, deferred: list[Sequence] | None = None) -> None:
+        """Commit `lengths` tokens per slot; the drafter conditions on the target's features of the same tokens.
+
+        deferred: a step without drafts (one token per sequence) keeps its features for the next step
+        that drafts, which writes them all in one pass: under "auto" many plain steps may run in a row."""
         self.target_cache.crop(slots, lengths)
-        if self.drafter is not None:
+        if self.drafter is None:
+            return
+        if deferred is None:
             self.drafter.inject_context(features, positions, self.draft_cache, slots)
-            self.draft_cache.crop(slots, lengths)
+        else:
+            for i, seq in enumerate(deferred):
+                self.pending_context.setdefault(seq.slot, []).append((features[i, 0], positions[i, 0]))
+            if len(self.pending_context[deferred[0].slot]) >= MAX_PENDING_CONTEXT:
+                self._write_pending_context(deferred)
+        self.draft_cache.crop(slots, lengths)
+
+    def _write_pending_context(self, batch: list[Sequence]) -> None:
+        """KV injection of the deferred context of the batch's sequences, padded to one [B, T] pass by
+        repeating each row's last entry (writing the same K/V twice to one position is harmless)."""
+        rows = [(s.slot, self.pending_context.pop(s.slot)) for s in batch if s.slot in self.pending_context]
+        if not rows:
+            return
+        width = max(len(entries) for _, entries in rows)
+        padded = [entries + entries[-1:] * (width - len(entries)) for _, entries in rows]
+        features = torch.stack([torch.stack([f for f, _ in entries]) for entries in padded])
+        positions = torch.stack([torch.stack([p for _, p in entries]) for entries in padded])
+        self.drafter.inject_context(features, positions, self.draft_cache, self._tensor([slot for slot, _ in rows]))
+
+    def _profile_step_costs(self) -> StepCosts:
+        """Seconds of a step at each verify length for batch sizes 1, 2, 4, ... max_batch_size, timed on
+        short dummy sequences that are dropped afterwards (a few seconds on a CPU)."""
+        vocab, prompt_length = self.target.config.shape.vocab_size, min(16, self.max_context - 1)
+        profile = {}
+        for batch_size in doubling(self.scheduler.num_slots):
+            for _ in range(batch_size):
+                self.scheduler.add(Sequence([t % vocab for t in range(prompt_length)], SamplingParams()))
+            for seq in self.scheduler.admit():
+                seq.output_ids += self._prefill(seq)  # not committed: a dummy may not stop
+            batch = self.scheduler.batch()
+            profile[batch_size] = {k: self._time_speculate(batch, k) for k in doubling(self.block_size)}
+            for seq in batch:
+                self.scheduler.finish(seq, "cancelled")
+        return StepCosts(device_signature(self.device), profile)
+
+    def _time_speculate(self, batch: list[Sequence], k: int, repeats: int = 2) -> float:
+        """The fastest of `repeats` steps of length k (noise on a shared machine only adds time), after
+        one to warm up; nothing is committed."""
+        seconds = []
+        for _ in range(repeats + 1):
+            self._speculate(batch, k)
+            seconds.append(self.last_step_seconds["draft"] + self.last_step_seconds["verify"])
+        return min(seconds[1:])
 
     def _tensor(self, data) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -192,7 +289,17 @@ class SpeculativeEngine:
         return any(stop in tail for stop in seq.params.stop_strings)
 
 
+def _matching_prefix(draft: list[int], target_tokens: list[int]) -> int:
+    """How many drafts match the target's own choices: the longest matching prefix."""
+    a = 0
+    while a < len(draft) and draft[a] == target_tokens[a]:
+        a += 1
+    return a
+
+
 def _check_sizes(drafter: DFlashDrafter | None, block_size: int, max_batch_size: int) -> None:
+    if not isinstance(block_size, int):
+        raise DFlashError(f"block size must be an integer or {AUTO_BLOCK_SIZE!r}, got {block_size!r}")
     if block_size < 1:
         raise DFlashError(f"block size must be >= 1, got {block_size}")
     if block_size > 1 and drafter is None:

@@ -7,12 +7,13 @@ from pathlib import Path
 import torch
 
 from .config import DFlashError
-from dflash_contract.presets import Preset
+from dflash_contract.presets import AUTO_BLOCK_SIZE, Preset
 
 from .checkpoint import resolve_checkpoint, resolve_target
 from .drafter import DFlashDrafter, load_drafter
 from .engine import SpeculativeEngine
 from .target import TargetModel, load_target
+from .verify_length import StepCosts
 from .text import decode, encode_prompt, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,12 +27,13 @@ class Pipeline:
     preset: Preset | None
     target_dir: Path
 
-    def engine(self, block_size: int | None = None, max_batch_size: int = 8,
-               max_context: int | None = None) -> SpeculativeEngine:
+    def engine(self, block_size: int | str | None = AUTO_BLOCK_SIZE, max_batch_size: int = 8,
+               max_context: int | None = None, step_costs: StepCosts | None = None) -> SpeculativeEngine:
         if max_context is None and self.preset is not None:
             max_context = self.preset.max_context
         return SpeculativeEngine(self.target, self.drafter, block_size=block_size, max_batch_size=max_batch_size,
-                                 max_context=max_context, decode=self.decode if self.tokenizer else None)
+                                 max_context=max_context, decode=self.decode if self.tokenizer else None,
+                                 step_costs=step_costs)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a prompt; with chat, `text` is a user message wrapped in the chat template."""

@@ -95,32 +95,41 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, first_position: 
 class SamplingStats:
     """What speculation did for one request (or a whole run)."""
 
-    acceptance_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per verify step
-    accepted_by_position: list[int] = field(default_factory=list)  # k -> steps whose draft k was accepted
-    draft_tokens: int = 0  # drafts proposed
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens per verify step (accepted drafts + 1)
+    verify_lengths: list[int] = field(default_factory=list)  # per verify step: 1 + drafts verified
+    accepted_by_position: list[int] = field(default_factory=list)  # j -> steps whose draft j was accepted
+    reached_by_position: list[int] = field(default_factory=list)  # j -> steps that verified draft j after 1..j-1
+    draft_tokens: int = 0  # drafts verified
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
-    def record(self, accepted: int, drafted: int) -> None:
-        """One verify step: `drafted` draft tokens proposed, the first `accepted` of them accepted."""
+    def record(self, accepted: int, drafted: int, reached: int) -> None:
+        """One verify step: `drafted` drafts verified; drafts 1..reached decided in turn, the first
+        `accepted` of them accepted (reached = accepted + 1, or less where the block or the request ended)."""
         self.acceptance_lengths.append(accepted + 1)
+        self.verify_lengths.append(drafted + 1)
         self.draft_tokens += drafted
-        self._extend_positions(drafted)
-        for k in range(accepted):
-            self.accepted_by_position[k] += 1
+        self._extend_positions(reached)
+        for j in range(reached):
+            self.reached_by_position[j] += 1
+            self.accepted_by_position[j] += j < accepted
 
     def merge(self, other: "SamplingStats") -> None:
         """Add another request's statistics (for a summary over many requests)."""
         self.acceptance_lengths += other.acceptance_lengths
+        self.verify_lengths += other.verify_lengths
         self.draft_tokens += other.draft_tokens
-        self._extend_positions(len(other.accepted_by_position))
-        for k, count in enumerate(other.accepted_by_position):
-            self.accepted_by_position[k] += count
+        self._extend_positions(len(other.reached_by_position))
+        for j, (accepted, reached) in enumerate(zip(other.accepted_by_position, other.reached_by_position)):
+            self.accepted_by_position[j] += accepted
+            self.reached_by_position[j] += reached
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
 
     def _extend_positions(self, n: int) -> None:
-        self.accepted_by_position += [0] * max(0, n - len(self.accepted_by_position))
+        missing = [0] * max(0, n - len(self.reached_by_position))
+        self.accepted_by_position += missing
+        self.reached_by_position += missing
 
     @property
     def draft_steps(self) -> int:
@@ -133,3 +142,8 @@ class SamplingStats:
     @property
     def mean_acceptance_length(self) -> float:
         return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """P(draft j accepted | drafts 1..j-1 accepted and draft j verified), per position."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_by_position, self.reached_by_position)]

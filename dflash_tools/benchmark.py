@@ -1,24 +1,26 @@
 """dflash-bench: speed and acceptance of DFlash against autoregressive decoding, side by side.
 
 For each prompt set, every prompt runs through (a) transformers `generate` (unless --no-hf), (b) this
-runtime's autoregressive mode and (c) DFlash, interleaved prompt by prompt in one process so machine
-noise hits all three alike: the ratios are the result. Reports per set: tokens/s and their ratios,
-mean acceptance length tau (accepted drafts + 1 per verify step), the per-position acceptance curve
-(how often block position k was accepted), the draft-to-verify time ratio, and whether all outputs
-were token-identical. Writes JSON and, with --plot, a PNG.
+runtime's autoregressive mode and (c) DFlash at each --block-size ("auto" and/or fixed sizes),
+interleaved prompt by prompt in one process so machine noise hits all modes alike: the ratios are the
+result. Reports per set: tokens/s; per DFlash mode its speedup over autoregressive, the mean
+acceptance length tau (tokens per verify step), the per-position acceptance curve (how often draft j
+was accepted when the drafts before it were), how many steps verified each length, and the
+draft-to-verify time ratio; and whether all outputs were token-identical. Writes JSON and, with
+--plot, a PNG.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
+from collections import Counter
 
 import torch
 
 from dflash_contract import DFlashError
-from dflash_contract.presets import DEFAULT_PRESET
+from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, block_size_argument
 from dflash_runtime.sampling import SamplingParams, SamplingStats
 
 from .prompts import prompt_set
@@ -49,13 +51,14 @@ def _run_to_end(engine, seq) -> list[int]:
     return seq.output_ids
 
 
-def measure(pipe, hf, autoregressive, dflash, prompts: list[list[int]], max_new_tokens: int, label: str) -> dict:
+def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], max_new_tokens: int, label: str) -> dict:
+    """dflash: block-size label ("auto", "8", ...) -> engine; every prompt runs through every mode."""
     params = SamplingParams(max_new_tokens=max_new_tokens)
     eos = list(pipe.target.config.eos_token_ids)
-    modes = {"autoregressive": Mode(), "dflash": Mode()}
+    modes = {"autoregressive": Mode(), **{f"dflash {b}": Mode() for b in dflash}}
     if hf is not None:
         modes["hf_generate"] = Mode()
-    stats, identical = SamplingStats(), 0
+    stats, identical = {b: SamplingStats() for b in dflash}, 0
     for n, ids in enumerate(prompts, 1):
         outputs = []
         if hf is not None:
@@ -63,33 +66,43 @@ def measure(pipe, hf, autoregressive, dflash, prompts: list[list[int]], max_new_
                 torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                 pad_token_id=eos[0])[0, len(ids):].tolist()))
         outputs.append(modes["autoregressive"].timed(lambda: autoregressive.generate([ids], params)[0].output_ids))
-        seq = dflash.add_request(ids, params)
-        outputs.append(modes["dflash"].timed(lambda: _run_to_end(dflash, seq)))
+        taus = []
+        for b, engine in dflash.items():
+            seq = engine.add_request(ids, params)
+            outputs.append(modes[f"dflash {b}"].timed(lambda: _run_to_end(engine, seq)))
+            stats[b].merge(seq.stats)
+            taus.append(f"tau[{b}] {seq.stats.mean_acceptance_length:.2f}")
         same = all(o == outputs[0] for o in outputs)
         identical += same
-        stats.merge(seq.stats)
-        print(f"[{label} {n}/{len(prompts)}] {len(ids)} prompt tokens, {len(seq.output_ids)} new, "
-              f"tau {seq.stats.mean_acceptance_length:.2f}, identical: {same}", file=sys.stderr)
-    steps = max(1, len(stats.acceptance_lengths))
+        print(f"[{label} {n}/{len(prompts)}] {len(ids)} prompt tokens, {len(outputs[0])} new, {', '.join(taus)}, "
+              f"identical: {same}", file=sys.stderr)
     rate = {m: mode.rate for m, mode in modes.items()}
     result = {
         "num_prompts": len(prompts),
         "tokens_per_second": {m: round(r, 2) for m, r in rate.items()},
-        "speedup_dflash_vs_autoregressive": round(rate["dflash"] / rate["autoregressive"], 3),
-        "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
-        "acceptance_by_position": [round(c / steps, 4) for c in stats.accepted_by_position],
-        "draft_to_verify_time": round(stats.draft_seconds / max(stats.verify_seconds, 1e-9), 3),
+        "dflash": {b: {"speedup_vs_autoregressive": round(rate[f"dflash {b}"] / rate["autoregressive"], 3),
+                       **speculation_summary(stats[b])} for b in dflash},
         "token_identical_prompts": f"{identical}/{len(prompts)}",
     }
     if hf is not None:
         result["ratio_autoregressive_vs_hf"] = round(rate["autoregressive"] / rate["hf_generate"], 3)
-        result["ratio_dflash_vs_hf"] = round(rate["dflash"] / rate["hf_generate"], 3)
     return result
+
+
+def speculation_summary(stats: SamplingStats) -> dict:
+    """tau, the acceptance curve, the verify lengths used and the draft-to-verify time of a run."""
+    return {
+        "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
+        "acceptance_by_position": [round(p, 4) for p in stats.conditional_acceptance],
+        "verify_lengths": {str(k): n for k, n in sorted(Counter(stats.verify_lengths).items())},
+        "draft_to_verify_time": round(stats.draft_seconds / max(stats.verify_seconds, 1e-9), 3),
+    }
 
 
 def run(args) -> dict:
     from dflash_runtime.pipeline import load_pipeline
 
+    sizes = list(dict.fromkeys(args.block_size))
     torch.manual_seed(0)
     pipe = load_pipeline(args.target, args.drafter)
     if pipe.drafter is None:
@@ -100,7 +113,7 @@ def run(args) -> dict:
 
         hf = AutoModelForCausalLM.from_pretrained(pipe.target_dir, dtype=torch.float32).eval()
     autoregressive = pipe.engine(block_size=1, max_batch_size=1)
-    dflash = pipe.engine(block_size=args.block_size, max_batch_size=1)
+    dflash = {str(b): pipe.engine(block_size=b, max_batch_size=1) for b in sizes}
     sets = {name: [pipe.encode(p) for p in prompt_set(name, args.num_prompts)] for name in args.prompts}
     with torch.inference_mode():
         warm = next(iter(sets.values()))[:1]  # first-call allocations stay out of the numbers
@@ -111,7 +124,8 @@ def run(args) -> dict:
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pipe.target.parameters()}
     ar_rate = sum(r["tokens_per_second"]["autoregressive"] for r in results.values()) / len(results)
     return {
-        "target": str(pipe.target_dir), "drafter": args.drafter, "block_size": dflash.block_size,
+        "target": str(pipe.target_dir), "drafter": args.drafter, "block_sizes": list(dflash),
+        "drafter_block_size": pipe.drafter.config.block_size,
         "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
         "autoregressive_weight_GBps": round(sum(storages.values()) * ar_rate / 1e9, 2),
         "prompt_sets": results,
@@ -126,18 +140,21 @@ def plot(summary: dict, path: str) -> None:
 
     sets = summary["prompt_sets"]
     fig, (curve, bars) = plt.subplots(1, 2, figsize=(11, 4))
+    longest = max(summary["block_sizes"], key=lambda b: summary["drafter_block_size"] if b == AUTO_BLOCK_SIZE
+                  else int(b))
     for name, r in sets.items():
-        acc = r["acceptance_by_position"]
+        acc = r["dflash"][longest]["acceptance_by_position"]
         curve.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
-    curve.set(xlabel="block position k", ylabel="P(draft token k accepted)", ylim=(0, 1),
-              title=f"acceptance by position (block {summary['block_size']})")
+    curve.set(xlabel="block position j", ylabel="P(draft j accepted | drafts before it were)", ylim=(0, 1),
+              title=f"acceptance by position (block {longest})")
     curve.legend()
-    names = list(sets)
-    bars.bar(names, [sets[n]["mean_acceptance_length"] for n in names])
-    for i, n in enumerate(names):
-        bars.text(i, sets[n]["mean_acceptance_length"], f"{sets[n]['speedup_dflash_vs_autoregressive']:.2f}x",
-                  ha="center", va="bottom")
-    bars.set(ylabel="mean acceptance length tau", title="tau by prompt set (label: speedup vs autoregressive)")
+    names = [(name, b) for name in sets for b in summary["block_sizes"]]
+    taus = [sets[name]["dflash"][b]["mean_acceptance_length"] for name, b in names]
+    bars.bar([f"{name}\n{b}" for name, b in names], taus)
+    for i, (name, b) in enumerate(names):
+        bars.text(i, taus[i], f"{sets[name]['dflash'][b]['speedup_vs_autoregressive']:.2f}x", ha="center", va="bottom")
+    bars.set(ylabel="mean acceptance length tau",
+             title="tau by prompt set and block size (label: speedup vs autoregressive)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -151,7 +168,9 @@ def main(argv=None) -> int:
                         help="prompt sets: chat, humaneval, sharegpt (held-out split), or .jsonl files")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, help="default: the drafter's")
+    parser.add_argument("--block-size", nargs="+", default=[AUTO_BLOCK_SIZE], type=block_size_argument,
+                        help=f"one or more: {AUTO_BLOCK_SIZE!r} (each step picks its verify length; the default) or "
+                             "a fixed block size; each runs as a mode of its own, beside the others")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
     parser.add_argument("--json", help="also write the summary to this file")
     parser.add_argument("--plot", help="write a PNG: acceptance by position, tau by prompt set")

@@ -7,7 +7,7 @@ import sys
 import time
 
 from dflash_contract import DFlashError
-from dflash_contract.presets import DEFAULT_PRESET, preset_table
+from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, block_size_argument, preset_table
 from dflash_runtime.sampling import SamplingParams
 
 
@@ -33,8 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids, sent as they are")
     parser.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int,
-                        help="draft block size; 1 = plain autoregressive (default: the drafter's)")
+    parser.add_argument("--block-size", type=block_size_argument, default=AUTO_BLOCK_SIZE,
+                        help=f"{AUTO_BLOCK_SIZE!r} (default): each step verifies the length that maximises expected "
+                             "tokens per second, from a startup profile of step times and the measured acceptance "
+                             "(1 = plain decoding when the drafter does not pay); a number fixes the block; "
+                             "1 = plain autoregressive")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -65,12 +68,12 @@ def run(args: argparse.Namespace) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
-    if args.block_size is not None and args.block_size < 1:
-        raise DFlashError(f"block size must be >= 1, got {args.block_size}")
     from dflash_runtime.pipeline import load_pipeline
 
     drafter = None if args.drafter == "none" or args.block_size == 1 else args.drafter
     pipe = load_pipeline(args.target, drafter, args.dtype, args.device)
+    if pipe.drafter is None and args.block_size == AUTO_BLOCK_SIZE:
+        print("dflash-generate: no drafter, so block size auto means plain decoding", file=sys.stderr)
     engine = pipe.engine(block_size=args.block_size, max_batch_size=1, max_context=args.max_context)
     if args.prompt_ids is not None:
         prompt_ids = parse_ids(args.prompt_ids)
@@ -96,10 +99,12 @@ def run(args: argparse.Namespace) -> dict:
         "finish_reason": seq.finish_reason,
         "num_prompt_tokens": len(prompt_ids),
         "num_output_tokens": len(seq.output_ids),
-        "block_size": engine.block_size,
+        "block_size": args.block_size if pipe.drafter is not None else 1,
+        "verify_lengths": stats.verify_lengths,
         "acceptance_lengths": stats.acceptance_lengths,
         "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
         "accepted_by_position": stats.accepted_by_position,
+        "reached_by_position": stats.reached_by_position,
         "draft_seconds": round(stats.draft_seconds, 4),
         "verify_seconds": round(stats.verify_seconds, 4),
         "seconds": round(elapsed, 4),
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print()
         print(f"[{result['num_output_tokens']} tokens, {result['tokens_per_second']} tokens/s, "
-              f"block {result['block_size']}, "
+              f"block {result['block_size']} (verify lengths used: {sorted(set(result['verify_lengths']))}), "
               f"mean acceptance length {result['mean_acceptance_length']}, finish: {result['finish_reason']}]",
               file=sys.stderr)
     return 0

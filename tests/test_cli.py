@@ -25,7 +25,10 @@ def test_json_output_is_lossless_and_complete(tiny, capsys):
     assert code == 0
     result = json.loads(out)
     assert result["output_ids"] == hf_greedy(tiny[0], [3, 17, 99], 30)
-    assert result["block_size"] == 16
+    assert result["block_size"] == "auto"  # the default: each step picks its verify length
+    assert len(result["verify_lengths"]) == len(result["acceptance_lengths"])
+    assert set(result["verify_lengths"]) <= {1, 2, 4, 8, 16}
+    assert all(a <= k for a, k in zip(result["acceptance_lengths"], result["verify_lengths"]))
     assert sum(result["acceptance_lengths"]) >= len(result["output_ids"]) - 1
     assert result["tokens_per_second"] > 0 and "text" not in result  # the tiny target has no tokenizer
 
@@ -38,7 +41,6 @@ def test_json_output_is_lossless_and_complete(tiny, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--prompt-ids", ""], "empty prompt"),
     (["--prompt-ids", "1,x"], "comma-separated integers"),
-    (["--prompt-ids", "1", "--block-size", "0"], "block size must be >= 1"),
     (["--prompt-ids", "1", "--block-size", "32"], "larger than the drafter supports"),
     (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
     (["--prompt-ids", "1", "--top-p", "1.5"], "top_p"),
@@ -51,6 +53,23 @@ def test_json_output_is_lossless_and_complete(tiny, capsys):
 def test_bad_input_is_a_clear_error(tiny, capsys, argv, message):
     code, out, err = generate(capsys, "--target", str(tiny[0]), "--drafter", str(tiny[1]), *argv)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "fast", "2.5"])
+def test_bad_block_size_is_a_usage_error(tiny, capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        generate(capsys, "--target", str(tiny[0]), "--prompt-ids", "1", "--block-size", value)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "block size must be 'auto' or an integer >= 1" in err
+
+
+def test_auto_without_a_drafter_is_plain_decoding(tiny, capsys):
+    code, out, err = generate(capsys, "--target", str(tiny[0]), "--drafter", "none", "--prompt-ids", "3,17,99",
+                              "--max-new-tokens", "8", "--json")
+    result = json.loads(out)
+    assert code == 0 and "block size auto means plain decoding" in err
+    assert result["block_size"] == 1 and set(result["verify_lengths"]) == {1}
+    assert result["output_ids"] == hf_greedy(tiny[0], [3, 17, 99], 8)
 
 
 def test_unknown_preset_lists_the_known_ones(capsys):

@@ -57,12 +57,15 @@ def test_benchmark_reports_side_by_side_and_checks_identity(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Name three colors."}\n')
     assert bench(["--prompts", "chat", str(prompts), "--num-prompts", "1", "--max-new-tokens", "12", "--no-hf",
-                  "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png")]) == 0
+                  "--block-size", "auto", "8", "--json", str(tmp_path / "bench.json"),
+                  "--plot", str(tmp_path / "bench.png")]) == 0
     summary = json.loads((tmp_path / "bench.json").read_text())
+    assert summary["block_sizes"] == ["auto", "8"] and summary["drafter_block_size"] == 8
     for result in summary["prompt_sets"].values():
         assert result["token_identical_prompts"] == "1/1"
-        assert result["mean_acceptance_length"] >= 1
-        block_size = PRESETS["smollm2-135m"].block_size
-        assert len(result["acceptance_by_position"]) == summary["block_size"] - 1 == block_size - 1
-        assert set(result["tokens_per_second"]) == {"autoregressive", "dflash"}
+        assert set(result["tokens_per_second"]) == {"autoregressive", "dflash auto", "dflash 8"}
+        fixed, auto = result["dflash"]["8"], result["dflash"]["auto"]
+        assert fixed["mean_acceptance_length"] >= 1 and fixed["speedup_vs_autoregressive"] > 0
+        assert len(fixed["acceptance_by_position"]) <= PRESETS["smollm2-135m"].block_size - 1
+        assert set(fixed["verify_lengths"]) == {"8"} and set(auto["verify_lengths"]) <= {"1", "2", "4", "8"}
     assert (tmp_path / "bench.png").stat().st_size > 0

@@ -189,7 +189,8 @@ def test_bad_arguments_are_refused_at_the_op():
     inv_freq = RopeConfig(base).inverse_frequencies(head_dim)
     good = dict(context=batch["context"], k_weight=batch["k_weight"], v_weight=batch["v_weight"],
                 k_norm_weight=batch["k_norm_weight"], inv_freq=inv_freq, positions=batch["positions"],
-                slots=batch["slots"], cache_k=new_cache(kv_heads, head_dim)[0], cache_v=new_cache(kv_heads, head_dim)[1])
+                slots=batch["slots"], cache_k=new_cache(kv_heads, head_dim)[0],
+                cache_v=new_cache(kv_heads, head_dim)[1])
     check_arguments(**good)
     bad = {
         "slots has shape": dict(slots=batch["slots"][:-1]),

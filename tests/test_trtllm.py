@@ -41,8 +41,11 @@ CUDA_GRAPH_CONFIG_FIELDS = {"batch_sizes", "max_batch_size", "enable_padding"}
 # SpeculativeConfig union; speculative_model (alias speculative_model_dir); mask_token_id and
 # target_layer_ids default to the drafter's config.json dflash_config (TorchLlmArgs.validate_speculative_config);
 # attention_backend Literal["VANILLA", "TRTLLM"], TRTLLM only on SM100/SM103.
+# draft_len_schedule: DecodingBaseConfig's dict[int, int], batch-size tier -> draft length; its smallest key
+# must map to max_draft_len (validate_draft_len_schedule_and_sort); DFlash supports it
+# (SpeculativeDecodingMode.support_dynamic_draft_len).
 DFLASH_DECODING_CONFIG_FIELDS = {"decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
-                                 "target_layer_ids", "attention_backend"}
+                                 "target_layer_ids", "attention_backend", "draft_len_schedule"}
 DFLASH_DECODING_TYPE = "DFlash"
 DFLASH_ATTENTION_BACKENDS = {"VANILLA", "TRTLLM"}
 
@@ -80,7 +83,7 @@ DRAFTER = "/models/Qwen3-8B-DFlash-b16"
 
 def test_options_use_only_upstream_names():
     opts = llm_api_options(drafter=DRAFTER, block_size=16, mask_token_id=151669, target_layer_ids=(1, 9, 17, 25, 33),
-                           options=TrtllmOptions(dflash_attention_backend="VANILLA"))
+                           options=TrtllmOptions(dflash_attention_backend="VANILLA"), schedule={1: 7, 16: 3, 64: 1})
     assert set(opts) <= TORCH_LLM_ARGS_FIELDS
     assert set(opts["kv_cache_config"]) <= KV_CACHE_CONFIG_FIELDS
     assert set(opts["cuda_graph_config"]) <= CUDA_GRAPH_CONFIG_FIELDS
@@ -135,6 +138,21 @@ def test_bad_block_size_and_token_budget():
         llm_api_options(drafter=DRAFTER, block_size=1)
     with pytest.raises(DFlashError, match="max_num_tokens"):
         llm_api_options(drafter=DRAFTER, block_size=16, options=TrtllmOptions(max_num_tokens=8, max_batch_size=4))
+
+
+def test_draft_len_schedule_from_a_profile():
+    # a GPU: a pass costs the same up to 64 tokens, then grows with them; acceptance 0.8 per position
+    profile = {b: {k: max(1.0, b * k / 64) for k in (1, 2, 4, 8, 16)} for b in (1, 4, 16, 64)}
+    schedule = trtllm.draft_len_schedule(profile, [0.8] * 15)
+    assert schedule == {1: 15, 4: 15, 16: 3, 64: 0}  # the whole block while it is free, off at batch 64
+    drafts = list(schedule.values())
+    options = llm_api_options(drafter=DRAFTER, block_size=16, schedule=schedule)
+    spec = options["speculative_config"]
+    assert spec["draft_len_schedule"] == schedule and spec["max_draft_len"] == drafts[0]  # upstream's rule
+    # a drafter that does not pay at batch 1: no schedule (the build keeps the whole block)
+    assert trtllm.draft_len_schedule({1: {1: 1.0, 2: 1.5}}, [0.1]) == {}
+    with pytest.raises(DFlashError, match="draft_len_schedule"):
+        llm_api_options(drafter=DRAFTER, block_size=8, schedule={1: 3, 8: 5})  # longer than its first
 
 
 def test_extra_llm_api_options_yaml_round_trip(tmp_path):

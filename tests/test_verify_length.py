@@ -1,0 +1,197 @@
+"""Adaptive verify length (block size "auto"): lossless whatever length each step takes, and a cost and
+acceptance model whose choice moves the way it must."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import BLOCK, EOS, PROMPTS, load_pair
+from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine
+from dflash_runtime.engine import MAX_PENDING_CONTEXT
+from dflash_runtime.verify_length import (EXPLORE_BUDGET, AcceptanceModel, StepCosts, VerifyLengthPolicy,
+                                          device_signature, doubling, expected_tokens)
+
+NEW = 40
+LENGTHS = doubling(BLOCK)  # 1, 2, 4, 8, 16
+
+
+def mixed_requests() -> list[SamplingParams]:
+    """Greedy and seeded sampling side by side, with different lengths and stops."""
+    return [SamplingParams(max_new_tokens=NEW), SamplingParams(max_new_tokens=NEW, temperature=0.8, seed=7),
+            SamplingParams(max_new_tokens=NEW - 13, temperature=1.3, top_k=20, seed=11),
+            SamplingParams(max_new_tokens=NEW, temperature=0.7, top_p=0.9, seed=3, stop_token_ids=(EOS, 50))]
+
+
+def outputs(engine, params) -> list[list[int]]:
+    return [s.output_ids for s in engine.generate(PROMPTS, params)]
+
+
+class Cycle:
+    """Drives the real engine through a fixed sequence of verify lengths, one per step."""
+
+    def __init__(self, lengths):
+        self.lengths, self.used = itertools.cycle(lengths), []
+
+    def __call__(self, batch):
+        self.used.append(next(self.lengths))
+        return self.used[-1]
+
+
+@pytest.mark.parametrize("schedule", [[1, 16, 2, 8, 4, 1, 1, 16], [16, 1], [3, 5, 1, 12]])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_switching_length_every_step_is_lossless(tiny, schedule, batch_size):
+    target, drafter = load_pair(tiny)
+    plain = outputs(SpeculativeEngine(target, block_size=1, max_batch_size=batch_size), mixed_requests())
+    engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=batch_size)
+    engine._verify_length = cycle = Cycle(schedule)
+    assert outputs(engine, mixed_requests()) == plain
+    assert set(cycle.used) == set(schedule)  # every length in the schedule really ran
+
+
+def test_long_runs_of_plain_steps_keep_the_drafter_context(tiny):
+    """Plain steps defer the drafter's context; past MAX_PENDING_CONTEXT tokens, or at the next drafting
+    step, it is written: the draft cache then holds exactly the context K/V of every committed token."""
+    target, drafter = load_pair(tiny)
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=1)
+    engine._verify_length = Cycle([1] * (MAX_PENDING_CONTEXT + 6) + [2] + [1] * 5 + [BLOCK] * 100)
+    seq = engine.generate([PROMPTS[0]], params)[0]
+    assert seq.output_ids == outputs(SpeculativeEngine(target, block_size=1), params)[0]
+    # the reference: the target's features of the whole text in one pass, through each draft layer
+    tokens = torch.tensor([seq.prompt_ids + seq.output_ids])
+    positions = torch.arange(tokens.shape[1])[None]
+    with torch.inference_mode():
+        _, features = target(tokens, positions, target.new_cache(1, tokens.shape[1]), torch.tensor([0]),
+                             drafter.config.target_layer_ids)
+        context = drafter.context(features[0])
+        # all but the newest token, whose K/V comes with its block (a step cut by max_tokens commits more)
+        assert int(engine.draft_cache.lengths[0]) >= tokens.shape[1] - 1
+        written = tokens.shape[1] - 1
+        for layer in range(drafter.config.shape.num_layers):
+            k, v = drafter.context_kv(layer, context, positions[0])
+            cached_k = engine.draft_cache.k[layer][0, :, :written].transpose(0, 1)
+            cached_v = engine.draft_cache.v[layer][0, :, :written].transpose(0, 1)
+            torch.testing.assert_close(cached_k, k[:written], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(cached_v, v[:written], atol=1e-4, rtol=1e-4)
+
+
+def test_auto_is_lossless_and_uses_the_drafter_it_can_trust(tiny):
+    target, drafter = load_pair(tiny)
+    plain = outputs(SpeculativeEngine(target, block_size=1, max_batch_size=4), mixed_requests())
+    engine = SpeculativeEngine(target, drafter, block_size="auto", max_batch_size=4)
+    assert outputs(engine, mixed_requests()) == plain
+    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    used = {k for s in greedy for k in s.stats.verify_lengths}
+    assert used <= set(LENGTHS) and max(used) >= 8  # the trained tiny drafter is worth verifying at length
+    assert max(a for s in greedy for a in s.stats.acceptance_lengths) >= 4
+
+
+def test_the_profile_covers_every_batch_size_and_length(tiny):
+    target, drafter = load_pair(tiny)
+    engine = SpeculativeEngine(target, drafter, max_batch_size=5)
+    costs = engine.policy.costs
+    assert costs.device == device_signature(target.device)
+    assert set(costs.profile) == {1, 2, 4, 5} and all(set(ks) == set(LENGTHS) for ks in costs.profile.values())
+    assert all(s > 0 for ks in costs.profile.values() for s in ks.values())
+    assert not engine.has_unfinished() and engine.occupancy().free_slots == 5  # the dummies are gone
+    # a profile made here is taken as it is; one from another device is replaced by a fresh one
+    again = SpeculativeEngine(target, drafter, max_batch_size=5, step_costs=StepCosts.from_json(costs.to_json()))
+    for batch_size, seconds in costs.profile.items():
+        assert again.policy.costs.profile[batch_size] == pytest.approx(seconds, abs=1e-6)  # rounded to microseconds
+    foreign = StepCosts("NVIDIA H200", {1: {k: 1.0 for k in LENGTHS}})
+    assert SpeculativeEngine(target, drafter, max_batch_size=1, step_costs=foreign).policy.costs.device != "NVIDIA H200"
+
+
+def test_statistics_count_only_what_a_step_emitted(tiny):
+    """A step cut short by max_tokens or a stop token counts the tokens it emitted, not the drafts
+    the target accepted after them."""
+    target, drafter = load_pair(tiny)
+    engine = SpeculativeEngine(target, drafter, block_size=BLOCK)
+    for max_new_tokens in (2, 3, 5, 9):
+        for seq in engine.generate(PROMPTS, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)):
+            stats = seq.stats
+            assert 1 + sum(stats.acceptance_lengths) == len(seq.output_ids) == max_new_tokens  # prefill gives 1
+            assert stats.accepted_draft_tokens == sum(stats.accepted_by_position)
+            assert all(a <= r for a, r in zip(stats.accepted_by_position, stats.reached_by_position))
+
+
+def test_bad_block_sizes_and_auto_without_a_drafter(tiny):
+    target, drafter = load_pair(tiny)
+    for bad, message in [(0, ">= 1"), ("fast", "integer or 'auto'"), (BLOCK * 2, "larger than the drafter")]:
+        with pytest.raises(DFlashError, match=message):
+            SpeculativeEngine(target, drafter, block_size=bad)
+    plain = SpeculativeEngine(target, None, block_size="auto")
+    assert plain.block_size == 1 and plain.policy is None
+    seq = plain.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6))[0]
+    assert set(seq.stats.verify_lengths) == {1}
+
+
+# -- the models, on synthetic figures -----------------------------------------------------------------
+
+def flat_costs(**override) -> StepCosts:
+    """Verify cost nearly flat in k (a small model on a big machine), unless overridden."""
+    seconds = {1: 1.0, 2: 1.1, 4: 1.15, 8: 1.2, 16: 1.3} | {int(k): v for k, v in override.items()}
+    return StepCosts("test", {1: seconds})
+
+
+def choice(rates, costs, batch_size=1, remaining=100) -> int:
+    policy = VerifyLengthPolicy(BLOCK, costs)
+    return policy.best(batch_size, [expected_tokens(rates, LENGTHS, remaining)] * batch_size)
+
+
+def test_expected_tokens_follow_the_acceptance_curve():
+    rates = [0.5] * 15
+    assert expected_tokens(rates, (1, 2, 4), 100) == {1: 1.0, 2: 1.5, 4: 1.875}
+    assert expected_tokens([0.9, 0.0, 1.0], (1, 2, 4), 100) == {1: 1.0, 2: 1.9, 4: 1.9}  # zero stops the chain
+    assert expected_tokens(rates, (1, 2, 4), 2) == {1: 1.0, 2: 1.5, 4: 1.5}  # a request that may emit 2 more
+
+
+def test_choice_moves_to_shorter_lengths_as_acceptance_falls():
+    chosen = [choice([p] * 15, flat_costs()) for p in (0.95, 0.8, 0.5, 0.2, 0.02)]
+    assert chosen == sorted(chosen, reverse=True) and chosen[0] == 16 and chosen[-1] == 1
+    # DFlash's curve: good early positions, poor late ones -> a middle length
+    assert 1 < choice([0.9, 0.85, 0.8, 0.4, 0.1] + [0.05] * 10, flat_costs()) < 16
+
+
+def test_choice_moves_to_shorter_lengths_as_verify_cost_rises():
+    rates = [0.85] * 15
+    steeper = [flat_costs(), StepCosts("test", {1: {k: 1 + 0.1 * k for k in LENGTHS}}),
+               StepCosts("test", {1: {k: 1 + 0.5 * k for k in LENGTHS}}),
+               StepCosts("test", {1: {k: k for k in LENGTHS}})]
+    chosen = [choice(rates, c) for c in steeper]
+    assert chosen == sorted(chosen, reverse=True) and chosen[0] == 16 and chosen[-1] == 1
+
+
+def test_costs_interpolate_between_batch_sizes_and_learn_from_steps():
+    costs = StepCosts("test", {1: {1: 1.0, 2: 2.0}, 4: {1: 4.0, 2: 6.0}})
+    assert costs.seconds(2, 1) == pytest.approx(2.0) and costs.seconds(3, 2) == pytest.approx(2 + 4 * 2 / 3)
+    assert costs.seconds(8, 1) == pytest.approx(8.0)  # beyond the largest profiled size: proportional
+    for _ in range(50):
+        costs.observe(2, 1, 0.5)
+    assert costs.seconds(2, 1) == pytest.approx(0.5, rel=1e-3) and costs.seconds(2, 2) == pytest.approx(2 + 4 / 3)
+
+
+def test_acceptance_is_per_position_and_per_request():
+    model = AcceptanceModel(3)
+    unknown = model.rates()[0]
+    assert model.rates() == [unknown] * 3 and unknown > 0.5  # no data: the benefit of the doubt
+    for _ in range(400):
+        model.observe(accepted=1, reached=2)  # draft 1 always accepted, draft 2 always rejected
+    first, second, third = model.rates()
+    assert first > 0.95 and second < 0.05 and third == unknown  # the third was never reached
+    # a request whose own second drafts were accepted 20 of 20 times moves most of the way to them
+    own = model.rates(request_accepted=[20, 20], request_reached=[20, 20])
+    assert own[1] > 0.7 and own[0] > 0.95
+
+
+def test_exploration_spends_about_its_budget():
+    costs = StepCosts("test", {1: {1: 1.0, 2: 1.5, 4: 1.6, 8: 1.8, 16: 2.0}})
+    policy = VerifyLengthPolicy(BLOCK, costs)
+    poor = [expected_tokens([0.05] * 15, LENGTHS, 100)]
+    chosen = [policy.choose(poor) for _ in range(1000)]
+    explored = chosen.count(16)
+    assert set(chosen) == {1, 16}
+    # each exploration costs 1 s beyond the best step: 1 % of 1000 s buys about 10 of them
+    assert explored == pytest.approx(1000 * EXPLORE_BUDGET * 1.0 / (2.0 - 1.0), abs=2)
