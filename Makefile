@@ -5,7 +5,7 @@ PIP := $(PY) -m pip -q
 PROMPT ?= Explain in three sentences why the sky is blue.
 BUILD ?= builds/smollm2-135m
 
-.PHONY: install demo test bench drafter-data train-drafter clean
+.PHONY: install demo test soak bench drafter-data train-drafter clean
 
 install: $(VENV)/.installed
 
@@ -36,8 +36,13 @@ demo: install
 test: install
 	$(PY) -m pytest
 
+# 1,000 short requests at concurrency 8 against a real server (the test suite runs a short soak):
+# nothing lost or different, server RSS and the KV cache back to where they were; figures on stdout.
+soak: install
+	DFLASH_SOAK_REQUESTS=1000 $(PY) -m pytest -s -q -m soak tests/test_soak.py
+
 bench: install
-	$(VENV)/bin/dflash-bench --num-prompts 4 --max-new-tokens 128
+	$(VENV)/bin/dflash-bench --prompts chat humaneval sharegpt --block-size auto 8 --num-prompts 4 --max-new-tokens 128
 
 # The shipped drafter's last stages (models/smollm2-135m-dflash/README.md): the target's own answers,
 # features cached once, block 8. Both resume; run drafter-data for longer to get more data.

@@ -6,8 +6,10 @@ import json
 import sys
 from dataclasses import asdict
 
+from dflash_contract.protocol import INVALID_REQUEST_PREFIX, invalid_request
+
 from .client import RetryPolicy
-from .errors import DFlashClientError, IncompleteResponse, InvalidRequest
+from .errors import DFlashClientError, IncompleteResponse, InvalidRequest, ServerUnavailable
 from .params import GenerationParams
 from .results import Generation
 from .sync import DFlashClient
@@ -21,9 +23,13 @@ examples:
   dflash-client generate --url localhost:8001 --prompt "Hi" --temperature 0.7 --top-p 0.9 --seed 7 --json
   dflash-client chat --url localhost:8001                     # interactive; Ctrl-C stops an answer, Ctrl-D quits
 
-Exit status: 0 success, 1 server unreachable / not ready / failed / timed out / incomplete answer,
-2 invalid parameters (refused client-side with the server's rules, or by the server), 130 interrupted.
+Exit status: 0 success; 1 server fault (an internal error, a timeout, an incomplete answer): report it;
+2 invalid request (refused client-side with the server's rules, or by the server): fix it;
+3 server unavailable (unreachable, not ready, at capacity, shutting down, engine down) after the retries:
+try again later; 130 interrupted.
 """
+# Exit statuses by exception class, most specific first (see EXAMPLES)
+EXIT_CODES = ((InvalidRequest, 2), (ServerUnavailable, 3), (DFlashClientError, 1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +97,7 @@ def params_from(args) -> GenerationParams:
 def run_health(client: DFlashClient, args) -> int:
     health = client.wait_ready(args.wait) if args.wait > 0 else client.health()
     if not health.ready:
-        raise DFlashClientError(f"{args.url} is not ready: {health.detail}", args.url)
+        raise ServerUnavailable(f"{args.url} is not ready: {health.detail}", args.url)
     print(f"ready: {args.url} ({args.protocol})")
     return 0
 
@@ -168,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with connect(args) as client:
             return COMMANDS[args.command](client, args)
-    except InvalidRequest as e:
-        print(f"dflash-client: invalid request: {e}", file=sys.stderr)
-        return 2
     except DFlashClientError as e:
-        print(f"dflash-client: {e}", file=sys.stderr)
-        return 1
+        message = str(e)
+        if isinstance(e, InvalidRequest) and INVALID_REQUEST_PREFIX not in message:  # a client-side refusal
+            message = invalid_request(message)
+        print(f"dflash-client: {message}", file=sys.stderr)
+        return next(code for kind, code in EXIT_CODES if isinstance(e, kind))
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

@@ -1,17 +1,13 @@
 """Exceptions raised by the clients, and how a server's error message maps to one of them.
 
 The server's error codes do not survive the trip: a Triton gRPC stream carries an error as a bare
-message (no status code), and through an ensemble an HTTP request reports a full queue as 400 like a
-bad parameter. So the retryable failures are recognised by the phrases of dflash_contract.protocol,
-which the server's engine loop uses in its messages.
+message (no status code), HTTP generate answers 400 for every error, and an ensemble prefixes its
+own words. So the class of an error is read from its message (dflash_contract.protocol.error_class:
+the phrases the server's models use, and Triton's own), and the clients act on the class.
 """
 from __future__ import annotations
 
-from dflash_contract.protocol import (CANCELLED_MESSAGE, CAPACITY_MESSAGE, INTERNAL_ERROR_PREFIX,
-                                      SHUTTING_DOWN_MESSAGE)
-
-# "retry later": queue full, or shutting down (another replica may answer)
-CAPACITY_PHRASES = (CAPACITY_MESSAGE, SHUTTING_DOWN_MESSAGE)
+from dflash_contract.protocol import error_class
 
 
 class DFlashClientError(Exception):
@@ -23,11 +19,13 @@ class DFlashClientError(Exception):
 
 
 class InvalidRequest(DFlashClientError, ValueError):
-    """Bad parameters or prompt, caught client-side or refused by the server. Never retried."""
+    """A malformed request (INVALID_ARG): bad parameters or prompt, caught client-side or refused by the
+    server. Never retried: the same request would be refused again."""
 
 
 class ServerUnavailable(DFlashClientError):
-    """Not reachable, at capacity or shutting down: retried with backoff before any output arrived."""
+    """UNAVAILABLE: not reachable, at capacity, shutting down, or its engine died. Retried with backoff
+    before any output arrived: later, or another replica behind the same address, can answer."""
 
 
 class RequestTimeout(DFlashClientError, TimeoutError):
@@ -47,16 +45,17 @@ class IncompleteResponse(DFlashClientError):
 
 
 class ServerError(DFlashClientError):
-    """Any other failure the server reported (an internal error while decoding, a missing model)."""
+    """INTERNAL: any other failure the server reported (a fault while decoding, a missing model)."""
 
 
 def from_server_message(message: str, url: str, http_status: int | None = None) -> DFlashClientError:
     """The exception for an error the server reported (in a gRPC stream, or as an HTTP error body)."""
-    if any(phrase in message for phrase in CAPACITY_PHRASES) or http_status == 503:
+    kind = error_class(message)
+    if kind == "UNAVAILABLE" or http_status == 503:
         return ServerUnavailable(message, url)
-    if CANCELLED_MESSAGE in message:
+    if kind == "CANCELLED":
         return RequestCancelled(message, url)
-    if INTERNAL_ERROR_PREFIX in message or (http_status is not None and http_status >= 500):
-        return ServerError(message, url)
-    # What is left is a request refused at the door: bad parameters, a bad prompt, missing inputs.
-    return InvalidRequest(message, url)
+    if kind == "INVALID_ARG":
+        return InvalidRequest(message, url)
+    # Unknown words are a server fault, not the caller's: retrying or fixing the request would not help.
+    return ServerError(message, url)

@@ -1,14 +1,15 @@
 """What a request asks for: the prompt (raw text or chat messages) and the sampling parameters.
 
-The validation rules are the server's (`dflash_runtime.sampling.SamplingParams`), restated here
-because that module needs torch and a backend service installing only the client should not;
-tests/test_clients.py checks that both accept and refuse the same values. Stop strings follow
-dflash_contract.protocol's rule.
+The ranges are the server's: dflash_contract.protocol.RANGES, which the front models check too, so a
+request refused here would be refused there with the same words (tests/test_clients.py also checks
+them against the engine's SamplingParams). Stop strings follow dflash_contract.protocol's rule.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
+
+from dflash_contract.protocol import range_error
 
 from .errors import InvalidRequest
 
@@ -31,12 +32,13 @@ class GenerationParams:
     end_id: int | None = None  # replaces the model's end-of-sequence ids (TensorRT-LLM semantics)
 
     def __post_init__(self):
-        # The tensor types bound what fits (INT32, UINT64); within them, the server's rules.
-        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX,
-               f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")  # refuses NaN too
-        _check(_is_int(self.top_k) and 0 <= self.top_k <= INT32_MAX, f"top_k must be >= 0, got {self.top_k}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        # The tensor types bound what fits (INT32, UINT64); within them, the server's ranges.
+        for name in ("max_tokens", "top_k"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value <= INT32_MAX, f"{name} must be a 32-bit integer, got {value!r}")
+        for name in ("max_tokens", "temperature", "top_k", "top_p"):
+            error = range_error(name, getattr(self, name))
+            _check(error is None, error)
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= UINT64_MAX),
                f"seed must be in [0, 2**64), got {self.seed}")
         _check(self.end_id is None or (_is_int(self.end_id) and -2**31 <= self.end_id <= INT32_MAX),

@@ -5,10 +5,15 @@ backends. Elsewhere the server binary and Python backend bundled in the `nvidia-
 used: the wheel ships the backend stub per Python version, so we lay out a backend directory with
 the 3.11 stub, put the wheel's libraries on LD_LIBRARY_PATH, and make the stub's embedded Python
 see this environment's packages (the stub links the system libpython, not this interpreter).
+
+Once tritonserver is ready, dflash-serve watches it (dflash_contract.server: the health watch): when a
+model's backend process or the engine dies, it stops tritonserver and exits non-zero, so that the
+container is restarted, since Triton itself never restarts a backend process.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -21,13 +26,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_contract.server import (DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S, EXIT_TIMEOUT_S,
-                                    FLUSH_SECONDS, METRICS_PATH, PORTS, READY_PATH, drained_path)
+from dflash_contract.server import (ABORT_SECONDS, DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S,
+                                    EXIT_TIMEOUT_S, FAILURE_FILE_ENV, FLUSH_SECONDS, HEALTH_CHECK_SECONDS, METRICS_PATH,
+                                    NOT_READY_CHECKS, PORTS, READY_PATH, UNHEALTHY_EXIT_CODE, drained_path)
 
 DRAIN_FILE = "draining"
+FAILURE_FILE = "engine-failed"
+STUB_BINARY = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
 # The NGC image nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 ships TensorRT-LLM's LLM-API Triton
 # model code (model.py + helpers.py, matched to the tensorrt_llm inside the image) here. A `--runtime
 # trtllm` build has only our model.yaml beside it: the launcher adds the image's code (see
@@ -90,6 +99,46 @@ def _bundled_server(runtime: Path) -> tuple[Path, dict[str, str]]:
     return root / "bin" / "tritonserver", env
 
 
+@dataclass(frozen=True)
+class BackendProcess:
+    """A Python backend stub of tritonserver: the process that runs one instance of a Python model."""
+
+    pid: int
+    start_time: str  # from /proc: tells the process apart from a later one that reuses its pid
+    model: str
+    shm_region: str  # its shared-memory file, which a killed server leaves behind in /dev/shm
+
+    def alive(self) -> bool:
+        stat = _proc_stat(self.pid)
+        # tritonserver 2.51 never reaps a dead stub: it stays a zombie
+        return stat is not None and stat[0] not in "ZX" and stat[19] == self.start_time
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from the state on (state, ppid, pgrp, ...; starttime at 19), None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def backend_processes(server_pid: int) -> list[BackendProcess]:
+    """The Python backend stubs tritonserver runs (its children; none where there is no /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        stat = _proc_stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is None or int(stat[1]) != server_pid:
+            continue
+        try:  # argv: the stub, <model>/<version>/model.py, its shared-memory region, ...
+            args = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        if len(args) > 2 and Path(args[0]).name == STUB_BINARY:
+            found.append(BackendProcess(int(entry.name), stat[19], Path(args[1]).parent.parent.name, args[2]))
+    return found
+
+
 @dataclass
 class TritonServer:
     """A running tritonserver process and where to reach it."""
@@ -99,6 +148,8 @@ class TritonServer:
     log_path: Path | None
     runtime_dir: Path  # the drain file (and the bundled server's backends); removed on stop
     drain_seconds: float = DRAIN_SECONDS
+    backends: list[BackendProcess] = field(default_factory=list)  # watched once the server is ready
+    _not_ready_checks: int = 0
 
     @property
     def http_url(self) -> str:
@@ -112,12 +163,37 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://localhost:{self.ports['metrics']}{METRICS_PATH}"
 
+    @property
+    def failure_file(self) -> Path:
+        return self.runtime_dir / FAILURE_FILE
+
     def is_ready(self) -> bool:
+        return self.readiness() is True
+
+    def readiness(self) -> bool | None:
+        """tritonserver's answer to READY_PATH; None when it did not answer."""
         try:
             with urllib.request.urlopen(f"http://{self.http_url}{READY_PATH}", timeout=2) as r:
                 return r.status == 200
-        except (urllib.error.URLError, OSError):
+        except urllib.error.HTTPError:
             return False
+        except (urllib.error.URLError, OSError):
+            return None
+
+    def health_problem(self) -> str | None:
+        """Why this server can serve no more (dflash_contract.server: the health watch), or None."""
+        if self.failure_file.exists():
+            return f"the dflash engine stopped ({self.failure_file.read_text(errors='replace')})"
+        dead = [b for b in self.backends if not b.alive()]
+        if dead:
+            return "; ".join(f"the backend process of model {b.model!r} (pid {b.pid}) died" for b in dead)
+        # Triton's own verdict (a dead backend from 26.01, the model's is_ready from 26.03). Only an
+        # answer counts: a server too busy to answer in time is not a dead one.
+        ready = self.readiness()
+        self._not_ready_checks = self._not_ready_checks + 1 if ready is False else 0
+        if self._not_ready_checks >= NOT_READY_CHECKS:
+            return f"tritonserver answers {READY_PATH}: not ready"
+        return None
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -153,9 +229,32 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._reap_group()
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        self._clean_up()
         return self.process.returncode
+
+    def abort(self, cause: str) -> int:
+        """Stop now, for a server that cannot serve: what a dead backend held never completes, and
+        tritonserver's graceful exit waits for it (measured on 2.51: past its exit timeout)."""
+        if not self.failure_file.exists():  # tells the front models, which end their streams with it
+            self.failure_file.write_text(cause)
+        if self.process.poll() is None:
+            time.sleep(FLUSH_SECONDS)  # for those final errors to leave
+            self.process.send_signal(signal.SIGTERM)  # it stops listening at once: probes and clients see it
+            try:
+                self.process.wait(ABORT_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._clean_up()
+        return self.process.returncode
+
+    def _clean_up(self) -> None:
+        self._reap_group()
+        for backend in self.backends:  # a killed server's backends never removed their shared memory
+            if "/" not in backend.shm_region:
+                with contextlib.suppress(OSError):
+                    (SHM_DIR / backend.shm_region).unlink()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     def _reap_group(self) -> None:
         """Python backend stubs left behind when tritonserver exits past its exit timeout."""
@@ -215,7 +314,8 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     except BaseException:
         shutil.rmtree(runtime, ignore_errors=True)
         raise
-    env = {**os.environ, DRAIN_FILE_ENV: str(runtime / DRAIN_FILE), DRAIN_SECONDS_ENV: str(drain_seconds)}
+    env = {**os.environ, DRAIN_FILE_ENV: str(runtime / DRAIN_FILE), DRAIN_SECONDS_ENV: str(drain_seconds),
+           FAILURE_FILE_ENV: str(runtime / FAILURE_FILE)}
     binary = shutil.which("tritonserver")
     backend_args = []
     if binary is None:
@@ -246,7 +346,28 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
         server._reap_group()
         shutil.rmtree(runtime, ignore_errors=True)
         raise
+    server.backends = backend_processes(process.pid)
     return server
+
+
+def supervise(server: TritonServer, shutdown: threading.Thread) -> int:
+    """Serve until a signal starts `shutdown` (a drain), or until the server can serve no more: then
+    stop it and exit non-zero (a new one must start: Triton does not restart dead backends)."""
+    while server.process.poll() is None:
+        # not while draining: models unload then, and their processes end (a drain may begin mid-check)
+        problem = server.health_problem() if shutdown.ident is None else None
+        if problem and shutdown.ident is None:
+            print(f"dflash-serve: {problem}; stopping tritonserver so that the server is restarted",
+                  file=sys.stderr, flush=True)
+            server.abort(problem)
+            return UNHEALTHY_EXIT_CODE
+        time.sleep(HEALTH_CHECK_SECONDS)
+    code = server.stop()
+    if shutdown.ident is not None:
+        return code
+    cause = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    print(f"dflash-serve: tritonserver ended on its own ({cause})", file=sys.stderr, flush=True)
+    return 128 - code if code < 0 else UNHEALTHY_EXIT_CODE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +380,13 @@ def main(argv: list[str] | None = None) -> int:
                "  dflash-serve builds/smollm2-135m/model_repository\n"
                "  dflash-serve REPO --grpc-port 0 --http-port 0 --metrics-port 0   # free ports, printed once ready\n\n"
                "GPU: in nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 the same command uses the container's "
-               "tritonserver and backends.")
+               "tritonserver and backends.\n\n"
+               "While serving it watches the models' backend processes, the engine and Triton's readiness every "
+               f"{HEALTH_CHECK_SECONDS:g} s;\non a failure it stops tritonserver and exits: run it under a supervisor "
+               "that restarts it\n(Kubernetes, docker --restart on-failure, systemd).\n\n"
+               "exit status: 0 stopped on request; 1 could not start (or tritonserver failed its own shutdown);\n"
+               f"{UNHEALTHY_EXIT_CODE} a backend or the engine died, or tritonserver ended by itself; "
+               "128+N tritonserver was killed by signal N.")
     parser.add_argument("repository", help="rendered model repository (<build>/model_repository)")
     parser.add_argument("--http-port", type=int, default=PORTS["http"], help="0 = pick a free port")
     parser.add_argument("--grpc-port", type=int, default=PORTS["grpc"], help="0 = pick a free port")
@@ -283,8 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     shutdown = threading.Thread(target=server.shut_down, daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: shutdown.ident is None and shutdown.start())
-    server.process.wait()
-    return server.stop()
+    return supervise(server, shutdown)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Front-model inputs: name -> Triton data type (on the wire). text_input and max_tokens are required.
+# Front-model inputs: name -> Triton data type (on the wire). REQUIRED_INPUTS below are required.
 FRONT_INPUTS = {
     "text_input": "BYTES",
     "max_tokens": "INT32",
@@ -68,9 +68,63 @@ def config_type(data_type: str) -> str:
     return "TYPE_STRING" if data_type == "BYTES" else f"TYPE_{data_type}"
 
 
-# Errors a client may retry elsewhere or later: the phrases the server's messages contain. A gRPC
-# stream carries an error as a bare message, so the phrase is what survives the trip.
+# Front-model inputs every request must carry. The configs mark them optional on purpose: Triton only
+# counts a request's inputs, so a request without text_input but with two other inputs passed its check
+# and an ensemble then skipped its steps and answered an empty success. Checked by the models instead.
+REQUIRED_INPUTS = ("text_input", "max_tokens")
+# The numeric inputs' ranges: name -> (test, the rule in words). NaN fails every comparison, so it is
+# refused too. Values a tensor type cannot hold (INT32, UINT64) never reach a model: Triton refuses them.
+RANGES = {
+    "max_tokens": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: v >= 0, ">= 0"),
+    "top_k": (lambda v: v >= 0, ">= 0"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+}
+
+
+def range_error(name: str, value) -> str | None:
+    """The message for a value outside its input's range (RANGES), or None."""
+    rule = RANGES.get(name)
+    if rule is None or rule[0](value):
+        return None
+    return f"{name} must be {rule[1]}, got {value}"
+
+
+# Error classes: what a client can do about a failed request. Triton's error codes do not survive every
+# path (a gRPC stream carries an error as a bare message; HTTP generate answers 400 for every error; an
+# ensemble puts "in ensemble '...', " in front), so each class is recognisable by its words, defined
+# here for the server's messages and the clients' matching (error_class):
+#   INVALID_ARG  a malformed request: fix it, do not retry. Ours read "invalid request: <field> ...";
+#                Triton's own door checks (types, shapes, input counts) have TRITON_REFUSAL_PHRASES.
+#   UNAVAILABLE  at capacity, shutting down, or the engine is dead: retry later or on another replica.
+#   CANCELLED    the client (or a stop request) cancelled it.
+#   INTERNAL     anything else: a fault while serving a valid request. Retrying it would not help.
+INVALID_REQUEST_PREFIX = "invalid request"
 CAPACITY_MESSAGE = "the server is at capacity"
 SHUTTING_DOWN_MESSAGE = "the server is shutting down"
+ENGINE_STOPPED_MESSAGE = "the DFlash engine stopped"
+STUB_UNHEALTHY_PHRASE = "is not healthy"  # Triton's words for a model whose backend process died
+UNAVAILABLE_PHRASES = (CAPACITY_MESSAGE, SHUTTING_DOWN_MESSAGE, ENGINE_STOPPED_MESSAGE, STUB_UNHEALTHY_PHRASE)
 CANCELLED_MESSAGE = "request cancelled"
 INTERNAL_ERROR_PREFIX = "internal error"
+# Triton's refusals of a request before any model runs (tritonserver 2.51 to 26.x wording)
+TRITON_REFUSAL_PHRASES = ("expected number of inputs between", "inputs but got", "unexpected inference input",
+                          "unexpected shape for input", "data-type is", "batch-size must be",
+                          "input byte size mismatch", "string elements for inference input",
+                          "has no shape but model requires batch dimension", "request has 0 inputs")
+
+
+def invalid_request(detail: str) -> str:
+    """The message of an INVALID_ARG error: detail names the field and the rule."""
+    return f"{INVALID_REQUEST_PREFIX}: {detail}"
+
+
+def error_class(message: str) -> str:
+    """INVALID_ARG, UNAVAILABLE, CANCELLED or INTERNAL: the class of an error message (see above)."""
+    if any(phrase in message for phrase in UNAVAILABLE_PHRASES):
+        return "UNAVAILABLE"
+    if CANCELLED_MESSAGE in message:
+        return "CANCELLED"
+    if f"{INVALID_REQUEST_PREFIX}: " in message or any(p in message for p in TRITON_REFUSAL_PHRASES):
+        return "INVALID_ARG"
+    return "INTERNAL"

@@ -1,4 +1,4 @@
-"""How `dflash-serve` is reached and stopped: ports, probe paths and the drain protocol.
+"""How `dflash-serve` is reached, watched and stopped: ports, probe paths, health watch, drain protocol.
 
 The launcher (deploy/serve.py), the `dflash` Triton model, the clients' defaults and the Kubernetes
 manifests all read these.
@@ -28,6 +28,37 @@ DRAIN_SLACK_S = 5  # beyond DRAIN_SECONDS, for the model to end the last request
 FLUSH_SECONDS = 1.5  # for the last responses to leave before tritonserver closes the connections
 # the most a clean shutdown takes, in whole seconds (Kubernetes' grace period is an integer)
 SHUTDOWN_SECONDS = math.ceil(DRAIN_SECONDS + DRAIN_SLACK_S + FLUSH_SECONDS + EXIT_TIMEOUT_S)
+
+
+# The health watch. tritonserver 2.51 (the CPU server) keeps answering "live" and "ready" after a
+# Python backend process dies (measured: every request then fails, and in-flight streams hang
+# forever); from 26.01 its readiness sees a dead backend process, and from 26.03 it asks the model
+# (`is_ready`), but it never restarts one. So dflash-serve watches every HEALTH_CHECK_SECONDS: the
+# backend processes, the engine's failure file (the dflash model writes the cause there when its
+# engine loop dies) and Triton's readiness. On a failure it writes the cause to that file (dflash_bls
+# ends its streams with it), allows FLUSH_SECONDS for those errors to leave, stops tritonserver
+# (SIGKILL after ABORT_SECONDS: a server with a dead backend does not finish its graceful exit) and
+# exits with UNHEALTHY_EXIT_CODE, so that the container (or its supervisor) restarts it.
+FAILURE_FILE_ENV = "DFLASH_FAILURE_FILE"
+HEALTH_CHECK_SECONDS = 1.0
+NOT_READY_CHECKS = 2  # consecutive "not ready" answers from tritonserver that count as a failure
+ABORT_SECONDS = 3
+UNHEALTHY_EXIT_CODE = 3
+
+
+def report_engine_failure(cause: str) -> None:
+    """Tell dflash-serve (when it launched this server) that the engine died, and why."""
+    path = os.environ.get(FAILURE_FILE_ENV)
+    if path:
+        Path(path).write_text(cause)
+
+
+def failure_signal() -> Path | None:
+    """The file whose appearance means "this server is failing" (its text: why), when launched by
+    dflash-serve, which also writes it when a backend process dies: the front models then end their
+    streams with an error that says so, before the server stops."""
+    path = os.environ.get(FAILURE_FILE_ENV)
+    return Path(path) if path else None
 
 
 def drained_path(drain_file: Path) -> Path:

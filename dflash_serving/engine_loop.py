@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence as Seq
 
 from dflash_contract import DFlashError
-from dflash_contract.protocol import CANCELLED_MESSAGE, CAPACITY_MESSAGE, INTERNAL_ERROR_PREFIX, SHUTTING_DOWN_MESSAGE
+from dflash_contract.protocol import (CANCELLED_MESSAGE, CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE,
+                                      INTERNAL_ERROR_PREFIX, SHUTTING_DOWN_MESSAGE)
 from dflash_runtime.engine import SpeculativeEngine, StepOutput
 from dflash_runtime.sampling import SamplingParams, SamplingStats
 from dflash_runtime.sequence import Sequence
@@ -27,6 +28,10 @@ CANCEL_CHECK_SECONDS = 0.25
 
 class QueueFull(DFlashError):
     """The server is at capacity: retrying later can succeed (unlike other DFlashErrors)."""
+
+
+class EngineStopped(DFlashError):
+    """The loop thread died: this engine serves nothing more until its server restarts (retry elsewhere)."""
 
 
 @dataclass
@@ -61,6 +66,7 @@ class StepReport:
     """What one loop iteration did, for metrics."""
 
     acceptance_lengths: list[int] = field(default_factory=list)
+    verify_length: int | None = None  # the step's verify length (1 + drafts per sequence); None: no verify
     seconds: dict[str, float] = field(default_factory=dict)  # prefill / draft / verify
     new_tokens: int = 0
     active: int = 0
@@ -71,18 +77,21 @@ class StepReport:
 
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], SpeculativeEngine], max_queue_size: int = 64,
-                 on_step: Callable[[StepReport], None] | None = None):
+                 on_step: Callable[[StepReport], None] | None = None,
+                 on_failure: Callable[[str], None] | None = None):
         """make_engine runs on the loop thread, and no other thread should run torch afterwards.
 
         Why: each thread that runs a parallel torch op gets its own OpenMP team, and on a small CPU
         a live idle team slows the other down. Measured on 2 cores: the engine loaded on the main
         thread and stepped on a worker decoded 25-30% slower than loaded and stepped on one thread.
-        Raises what make_engine raises.
+        Raises what make_engine raises. on_failure(cause) is called once if the loop thread dies.
         """
         if max_queue_size < 0:
             raise DFlashError(f"max queue size must be >= 0, got {max_queue_size}")
         self.max_queue_size = max_queue_size
         self.on_step = on_step
+        self.on_failure = on_failure
+        self.failure: str | None = None  # why the loop thread died
         self._requests: dict[Sequence, _Request] = {}
         self._lock = threading.Lock()  # guards the engine's queues and self._requests
         self._wake = threading.Event()
@@ -92,7 +101,8 @@ class EngineLoop:
         self.drained = threading.Event()
         self._started = threading.Event()
         self._load_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(make_engine,), name="dflash-engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_guarded, args=(make_engine,), name="dflash-engine-loop",
+                                        daemon=True)
         self._thread.start()
         self._started.wait()
         if self._load_error is not None:
@@ -101,6 +111,8 @@ class EngineLoop:
     def submit(self, prompt_ids: Seq[int], params: SamplingParams, stream: Stream, streaming: bool = True) -> None:
         """Queue a request; raises DFlashError for bad input and QueueFull when the queue is full."""
         with self._lock:
+            if self.failure is not None:
+                raise EngineStopped(f"{ENGINE_STOPPED_MESSAGE} ({self.failure}); retry on another replica")
             if self._stopping or self._drain_deadline is not None:
                 raise QueueFull(SHUTTING_DOWN_MESSAGE)
             occupancy = self.engine.occupancy()
@@ -133,7 +145,32 @@ class EngineLoop:
             _fail(request, message)
         self._requests.clear()
 
+    @property
+    def alive(self) -> bool:
+        """The loop is stepping (or waiting for work): not died, not stopped."""
+        return self.failure is None and self._thread.is_alive()
+
     # -- the loop thread ---------------------------------------------------------------------------
+    def _run_guarded(self, make_engine: Callable[[], SpeculativeEngine]) -> None:
+        # A step's exceptions are handled in _run; anything that still escapes ends the thread, and
+        # a dead loop must not look alive: requests would queue forever behind it.
+        try:
+            self._run(make_engine)
+        except BaseException as e:
+            traceback.print_exc()
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _die(self, cause: str) -> None:
+        with self._lock:
+            self.failure = cause
+            requests = list(self._requests.values())
+            self._requests.clear()
+        for request in requests:
+            _fail(request, f"{ENGINE_STOPPED_MESSAGE} ({cause}); retry on another replica")
+        self.drained.set()  # nothing is left to drain: a shutdown need not wait for it
+        if self.on_failure is not None:
+            self.on_failure(cause)
+
     def _run(self, make_engine: Callable[[], SpeculativeEngine]) -> None:
         try:
             self.engine = make_engine()
@@ -216,6 +253,7 @@ class EngineLoop:
         occupancy = self.engine.occupancy()
         return StepReport(
             acceptance_lengths=[o.acceptance_length for o in outputs if o.acceptance_length is not None],
+            verify_length=self.engine.last_verify_length,
             seconds=dict(self.engine.last_step_seconds),
             new_tokens=sum(len(o.new_token_ids) for o in outputs),
             active=occupancy.running,

@@ -18,6 +18,10 @@ sys.path.insert(0, str(REPO))
 from dflash_training.train_drafter import block_loss, new_drafter, target_features  # noqa: E402
 from dflash_runtime import SamplingParams, SpeculativeEngine, load_drafter, load_target, save_drafter  # noqa: E402
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "soak: the load soak against a real server (short here; `make soak`: 1,000)")
+
+
 VOCAB = 128
 EOS = 127
 MASK = 126

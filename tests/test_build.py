@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_default_build_is_complete_and_reused(default_build, capsys):
     manifest = json.loads((default_build / "manifest.json").read_text())
     assert manifest["artifacts"]["models"] == ["dflash", "dflash_bls", "ensemble", "postprocessing", "preprocessing"]
-    assert manifest["options"]["block_size"] == 8 and manifest["inputs"]["preset"] == "smollm2-135m"
+    assert manifest["options"]["block_size"] == "auto" and manifest["inputs"]["preset"] == "smollm2-135m"
     assert manifest["inputs"]["file_sha256"]["drafter"]["model.safetensors"]
     for name in manifest["artifacts"]["models"]:
         config = parse_model_config(default_build / "model_repository" / name / "config.pbtxt")
@@ -32,6 +33,8 @@ def test_default_build_is_complete_and_reused(default_build, capsys):
         assert config.model_transaction_policy.decoupled
     dflash = parse_model_config(default_build / "model_repository" / "dflash" / "config.pbtxt")
     assert dflash.parameters["drafter_dir"].string_value == "../drafter"  # relative: the build can move
+    assert dflash.parameters["block_size"].string_value == "auto"
+    assert dflash.parameters["verify_profile"].string_value == ""  # no sanity run: the server profiles itself
     again = build(BuildOptions(target="smollm2-135m", drafter="preset", max_batch_size=8, sanity_tokens=0),
                   default_build)
     assert again["reused"] and again["build_key"] == manifest["build_key"]
@@ -46,7 +49,14 @@ def test_fp8_build_reports_quality_and_stays_lossless(tmp_path, capsys):
     assert quality["quant"] == "fp8" and quality["calibration"]["samples"] == 8
     assert 0 < quality["perplexity"] < 2 * quality["unquantized"]["perplexity"]
     sanity = manifest["sanity"]
-    assert sanity["token_identical_prompts"] == "2/2" and sanity["mean_acceptance_length"] >= 1
+    assert sanity["token_identical_prompts"] == "2/2" and sanity["dflash"]["auto"]["mean_acceptance_length"] >= 1
+    # block size auto: the sanity run's profile of step times, for every batch size the server may run
+    profile = json.loads((tmp_path / "fp8" / "verify_profile.json").read_text())
+    assert profile["seconds"].keys() == {"1", "2", "4", "8"}
+    assert sanity["verify_profile"]["seconds"] == profile["seconds"]
+    assert all(ks.keys() == {"1", "2", "4", "8"} for ks in profile["seconds"].values())
+    dflash = parse_model_config(tmp_path / "fp8" / "model_repository" / "dflash" / "config.pbtxt")
+    assert dflash.parameters["verify_profile"].string_value == "../verify_profile.json"
     assert "perplexity" in capsys.readouterr().out  # the summary table
     assert not list(tmp_path.glob(".*partial*"))
 
@@ -56,6 +66,9 @@ def test_trtllm_build_writes_llm_api_artifacts(tiny, tmp_path):
                                   gpu="h100", tensor_parallel_size=2, sanity_tokens=0), tmp_path / "trt")
     options = manifest["trtllm"]["options"]
     assert options["speculative_config"]["decoding_type"] == "DFlash" and options["tensor_parallel_size"] == 2
+    # block size auto without a GPU profile: the drafter's whole block, no draft_len_schedule
+    speculative = options["speculative_config"]
+    assert speculative["max_draft_len"] == 15 and "draft_len_schedule" not in speculative
     assert options["speculative_config"]["speculative_model"] == str(tmp_path / "trt" / "drafter")
     assert (tmp_path / "trt" / "extra_llm_api_options.yaml").is_file()
     assert (tmp_path / "trt" / "model_repository" / "tensorrt_llm" / "1" / "model.yaml").is_file()
@@ -110,7 +123,7 @@ def test_build_can_train_its_drafter_first(tmp_path, monkeypatch, capsys):
     assert main([f"--train-drafter={train_args}", "--sanity-tokens", "8", "--output", str(tmp_path / "out")]) == 0
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["inputs"]["file_sha256"]["drafter"] == file_hashes(run / "drafter")
-    assert manifest["options"]["block_size"] == 8 and manifest["sanity"]["token_identical_prompts"] == "2/2"
+    assert manifest["options"]["block_size"] == "auto" and manifest["sanity"]["token_identical_prompts"] == "2/2"
 
     monkeypatch.chdir(tmp_path)  # the trainer's default run directory is runs/<target>-drafter under it
     assert main(["--train-drafter=--steps 1", "--dry-run", "--output", str(tmp_path / "bad")]) == 0
@@ -169,11 +182,30 @@ def test_front_models_declare_the_contract_tensors(model):
     types = model_config_pb2.DataType.Name
     assert {t.name: types(t.data_type) for t in config.input} == {
         name: config_type(kind) for name, kind in FRONT_INPUTS.items()}
-    required = {t.name for t in config.input if not t.optional}
-    assert required == {"text_input", "max_tokens"}
+    # required ones (REQUIRED_INPUTS) are checked by preprocessing, which names what is missing: a Triton
+    # "required" input only counts towards a minimum number of inputs (see the ensemble's config)
+    assert all(t.optional for t in config.input)
     assert {t.name: types(t.data_type) for t in config.output} == {
         "text_output": "TYPE_STRING", FINISH_REASON: "TYPE_STRING",
         **{s.tensor: config_type(s.data_type) for s in STATISTICS}}
+
+
+def test_preprocessing_checks_every_input_of_both_front_models():
+    # preprocessing is the first step of the ensemble and the first call of dflash_bls: it takes all their
+    # inputs, so one check refuses a malformed request with the same message on both
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    def parsed(model):
+        text = (TEMPLATES / model / "config.pbtxt").read_text()
+        return text_format.Parse(re.sub(r"\$\{\w+\}", "1", text), model_config_pb2.ModelConfig())
+
+    types = model_config_pb2.DataType.Name
+    assert {t.name: (types(t.data_type), t.optional) for t in parsed("preprocessing").input} == {
+        name: (config_type(kind), True) for name, kind in FRONT_INPUTS.items()}
+    first_step = parsed("ensemble").ensemble_scheduling.step[0]
+    assert first_step.model_name == "preprocessing" and dict(first_step.input_map) == {n: n for n in FRONT_INPUTS}
+    assert "_inputs(request, FRONT_INPUTS)" in (TEMPLATES / "dflash_bls" / "1" / "model.py").read_text()
 
 
 def test_the_engine_model_declares_the_contract_tensors():

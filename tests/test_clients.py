@@ -77,14 +77,27 @@ def test_prompt_forms():
         prompt_text("", chat=True)
 
 
-def test_server_messages_map_to_exceptions():
-    url = "host:1"
-    busy = "in ensemble 'ensemble', the server is at capacity (8 running, 64 queued, queue limit 64); retry later"
-    assert isinstance(from_server_message(busy, url, http_status=400), ServerUnavailable)
-    assert isinstance(from_server_message("in ensemble 'ensemble', top_p must be in (0, 1], got 0.0", url),
-                      InvalidRequest)
-    assert type(from_server_message("internal error while decoding: RuntimeError: boom", url)) is ServerError
-    assert isinstance(from_server_message("request cancelled", url), RequestCancelled)
+@pytest.mark.parametrize("message, exception", [
+    # UNAVAILABLE: capacity, shutting down, a dead engine loop, a dead engine process (Triton's words)
+    ("in ensemble 'ensemble', the server is at capacity (8 running, 64 queued, queue limit 64); retry later",
+     ServerUnavailable),
+    ("the server is shutting down; the request was aborted", ServerUnavailable),
+    ("the DFlash engine stopped (RuntimeError: boom); retry on another replica", ServerUnavailable),
+    ("in ensemble 'ensemble', Stub process 'dflash_0_0' is not healthy.", ServerUnavailable),
+    # INVALID_ARG: ours, and Triton's own checks at the door
+    ("in ensemble 'ensemble', invalid request: top_p must be in (0, 1], got 0.0", InvalidRequest),
+    ("invalid request: text_input is required", InvalidRequest),
+    ("[request id: <id_unknown>] inference input 'max_tokens' data-type is 'FP32', but model 'dflash_bls' expects "
+     "'INT32'", InvalidRequest),
+    ("[request id: <id_unknown>] unexpected shape for input 'max_tokens' for model 'ensemble'", InvalidRequest),
+    ("request cancelled", RequestCancelled),
+    # INTERNAL: ours, and any words the clients do not know (a server fault, never the caller's)
+    ("internal error while decoding: RuntimeError: boom", ServerError),
+    ("Request for unknown model: 'no_such_model' is not found", ServerError),
+])
+def test_server_messages_map_to_exceptions(message, exception):
+    # HTTP generate answers 400 for every error: the status must not turn a server fault into a bad request
+    assert type(from_server_message(message, "host:1", http_status=400)) is exception
 
 
 def test_the_engine_loop_speaks_the_phrases_clients_retry_on(tiny):
@@ -150,7 +163,7 @@ def test_health(default_server, grpc_client, http_client):
     # the installed console script, as the Makefile's demo calls it
     script = Path(sys.executable).parent / "dflash-client"
     assert subprocess.run([script, "health", "--url", default_server.grpc_url, "--wait", "30"]).returncode == 0
-    assert cli.main(["health", "--url", address]) == 1
+    assert cli.main(["health", "--url", address]) == 3  # unavailable: try again later
 
 
 def test_streaming_and_non_streaming_return_the_same_text(grpc_client, http_client):
@@ -281,6 +294,7 @@ def test_an_unreachable_server_is_retried_then_named(caplog):
             with pytest.raises(ServerUnavailable, match=rf"cannot reach the server at {address}.*tried 3 times"):
                 client.generate("Hi", GenerationParams(max_tokens=8))
         assert len(caplog.records) == 2  # two retries, each logged
+    assert cli.main(["generate", "--url", address, "--prompt", "Hi", "--retries", "0"]) == 3
 
 
 def test_cli_generate_streams_the_answer_and_prints_json(grpc_client, capsys):

@@ -216,6 +216,8 @@ def test_ports_and_probes_are_the_launchers(rendered):
         startup = server["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= r.values["server"]["startupBudgetSeconds"]
         pod = r.one("Deployment")["spec"]["template"]["spec"]
+        # recovery from a dead engine: dflash-serve (the command) exits, the kubelet restarts the container
+        assert server["command"][0] == "dflash-serve" and pod["restartPolicy"] == "Always"
         pre_stop = int(server["lifecycle"]["preStop"]["exec"]["command"][-1])
         assert pod["terminationGracePeriodSeconds"] > pre_stop + SHUTDOWN_SECONDS, name
         for service in r.all("Service"):

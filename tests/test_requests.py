@@ -1,11 +1,11 @@
-"""dflash_serving.requests: a `dflash` request's tensors -> prompt and SamplingParams, refused before the engine."""
+"""dflash_serving.requests: front-model and `dflash` request tensors, checked and refused before the engine."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from dflash_contract import DFlashError
-from dflash_serving.requests import is_stop_request, parse_engine_request
+from dflash_serving.requests import is_stop_request, parse_engine_request, parse_front_request
 
 
 def tensors(**inputs):
@@ -32,7 +32,7 @@ def test_defaults_are_greedy_and_not_streamed():
 @pytest.mark.parametrize("inputs, message", [
     (dict(max_tokens=[[4]]), "one prompt per request"),
     (dict(input_ids=[[1], [2]], max_tokens=[[4]]), "one prompt per request"),
-    (dict(input_ids=[[1]]), "max_tokens must be >= 1, got None"),
+    (dict(input_ids=[[1]]), "max_tokens is required"),
     (dict(input_ids=[[1]], max_tokens=[[0]]), "max_tokens must be >= 1, got 0"),
     (dict(input_ids=[[1]], max_tokens=[[4]], top_p=[[0.0]]), r"top_p must be in \(0, 1\]"),
     (dict(input_ids=[[1]], max_tokens=[[4]], temperature=[[1.0, 2.0]]), "temperature must hold one value"),
@@ -49,3 +49,36 @@ def test_bad_requests_are_refused_with_the_field_named(inputs, message):
 def test_stop_requests():
     assert is_stop_request(tensors(stop=[[True]]))
     assert not is_stop_request(tensors(stop=[[False]])) and not is_stop_request(tensors(input_ids=[[1]]))
+
+
+def test_a_front_request_becomes_prompt_text():
+    assert parse_front_request(tensors(text_input=[[b"Hi"]], max_tokens=[[4]], apply_chat_template=[[True]],
+                                       stop_words=[[b"END", b""]], seed=[[3]], random_seed=[[3]])) == ("Hi", True)
+    assert parse_front_request(tensors(text_input=[["caf\u00e9".encode()]], max_tokens=[[1]])) == ("caf\u00e9", False)
+
+
+# every input of the front models, each way it can be wrong that reaches a model (Triton refuses the
+# wrong types and per-item shapes itself); the same table runs against the real server in test_serving
+@pytest.mark.parametrize("inputs, message", [
+    (dict(max_tokens=[[4]], stream=[[True]]), "text_input is required"),
+    (dict(text_input=[[b"Hi"]], stream=[[True]]), "max_tokens is required"),
+    (dict(text_input=[[b"a"], [b"b"]], max_tokens=[[4], [4]]),
+     r"text_input must hold one value per request, got shape \[2, 1\]"),
+    (dict(text_input=[[b""]], max_tokens=[[4]]), "text_input must not be empty"),
+    (dict(text_input=np.array([[b"\xff"]], dtype=object), max_tokens=[[4]]), "text_input: not valid UTF-8"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[0]]), "max_tokens must be >= 1, got 0"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], temperature=[[-0.5]]), "temperature must be >= 0, got -0.5"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], temperature=np.array([[np.nan]], np.float32)),
+     "temperature must be >= 0, got nan"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], top_k=[[-1]]), "top_k must be >= 0, got -1"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], top_p=[[1.5]]), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], stream=[[True, False]]), "stream must hold one value per request"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], seed=[[1]], random_seed=[[2]]), "seed and random_seed differ"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], bad_words=[[b"x"]]), "bad_words is not supported"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], stop_words=[[b"a"], [b"b"]]), "stop_words must hold one list"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], stop_words=np.array([[b"\xfe"]], dtype=object)),
+     "stop_words: not valid UTF-8"),
+])
+def test_bad_front_requests_are_refused_with_the_field_named(inputs, message):
+    with pytest.raises(DFlashError, match=message):
+        parse_front_request(tensors(**inputs))

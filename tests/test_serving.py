@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from deploy.serve import start_server
+from dflash_contract.protocol import error_class
 from dflash_runtime import SamplingParams
 from dflash_runtime.pipeline import load_pipeline
 
@@ -120,8 +122,11 @@ def test_grpc_stream_and_http_generate_equal_in_process_greedy(default_server, d
     last = results[-1]
     assert last.as_numpy("finish_reason").item() in (b"stop", b"length")
     steps = int(last.as_numpy("draft_steps").item())
-    block_size = json.loads((default_build / "manifest.json").read_text())["options"]["block_size"]
-    assert steps > 0 and int(last.as_numpy("total_draft_tokens").item()) == steps * (block_size - 1)
+    # block size auto: each step verifies 0 to block - 1 drafts, of which some are accepted
+    block = json.loads((default_build / "drafter" / "config.json").read_text())["block_size"]
+    drafts, accepted = (int(last.as_numpy(name).item())
+                        for name in ("total_draft_tokens", "total_accepted_draft_tokens"))
+    assert steps > 0 and 0 <= accepted <= drafts <= steps * (block - 1)
     assert last.as_numpy("mean_acceptance_length").item() == pytest.approx(
         1 + last.as_numpy("total_accepted_draft_tokens").item() / steps, rel=1e-5)
 
@@ -196,39 +201,80 @@ def test_cancelling_an_ensemble_stream_frees_the_sequence(default_server):
 def test_metrics_sit_beside_tritons_own(default_server, in_process):
     streamed_text(default_server.grpc_url, QUESTIONS[1], 8)
     assert metric(default_server, "dflash_acceptance_length_count") > 0
+    # block size auto: the verify length each step chose (1 = plain decoding), within the drafter's block
+    steps = metric(default_server, "dflash_verify_length_count")
+    with urllib.request.urlopen(default_server.metrics_url, timeout=5) as r:
+        buckets = [line for line in r.read().decode().splitlines() if line.startswith("dflash_verify_length_bucket{")]
+    top = [float(line.rsplit(" ", 1)[1]) for line in buckets if 'le="8"' in line]
+    assert steps > 0 and top == [steps]
     assert metric(default_server, "dflash_verify_duration_seconds_count") > 0
     assert metric(default_server, "dflash_generated_tokens_total") >= 8
     assert metric(default_server, "nv_inference_request_success") > 0
 
 
+# Every way a request can be malformed, for both front models: (inputs, words the error must contain).
+# Ours start with "invalid request: " and name the field; the last ones are Triton's own door checks.
 BAD_REQUESTS = {
-    "missing text_input": (dict(max_tokens=8), "text_input"),
-    "empty text": (dict(text_input="", max_tokens=8), "empty prompt"),
-    "non-UTF-8 bytes": (dict(text_input=b"\xff\xfe hello", max_tokens=8), "not valid UTF-8"),
-    "max_tokens 0": (dict(text_input="Hi", max_tokens=0), "max_tokens must be >= 1"),
-    "max_tokens over the limit": (dict(text_input="Hi", max_tokens=100000), "context limit"),
-    "prompt over the context limit": (dict(text_input="word " * 2100, max_tokens=8), "context limit"),
-    "negative temperature": (dict(text_input="Hi", max_tokens=8, temperature=-1.0), "temperature must be >= 0"),
-    "top_p 0": (dict(text_input="Hi", max_tokens=8, top_p=0.0), "top_p must be in"),
-    "top_p above 1": (dict(text_input="Hi", max_tokens=8, top_p=1.5), "top_p must be in"),
-    "negative top_k": (dict(text_input="Hi", max_tokens=8, top_k=-1), "top_k must be >= 0"),
-    "bad_words": (dict(text_input="Hi", max_tokens=8, bad_words=np.array([["bad"]], dtype=object)), "bad_words"),
-    "wrong dtype": (dict(text_input="Hi", max_tokens=np.array([[8.0]], dtype=np.float32)), "data-type"),
-    "wrong shape": (dict(text_input="Hi", max_tokens=np.array([[8, 9]], dtype=np.int32)), "shape"),
+    "no inputs": (dict(), "request has 0 inputs"),
+    "missing text_input": (dict(max_tokens=8), "invalid request: text_input is required"),
+    "missing text_input among others": (dict(max_tokens=8, stream=True), "invalid request: text_input is required"),
+    "missing max_tokens": (dict(text_input="Hi", stream=True), "invalid request: max_tokens is required"),
+    "empty text": (dict(text_input="", max_tokens=8), "invalid request: text_input must not be empty"),
+    "non-UTF-8 bytes": (dict(text_input=b"\xff\xfe hello", max_tokens=8),
+                        "invalid request: text_input: not valid UTF-8"),
+    "two prompts in one request": (dict(text_input=np.array([[b"a"], [b"b"]], dtype=object),
+                                        max_tokens=np.array([[8], [8]], dtype=np.int32)),
+                                   "invalid request: text_input must hold one value per request, got shape [2, 1]"),
+    "max_tokens 0": (dict(text_input="Hi", max_tokens=0), "invalid request: max_tokens must be >= 1, got 0"),
+    "max_tokens over the limit": (dict(text_input="Hi", max_tokens=100000), "exceeds the context limit of 2048"),
+    "prompt over the context limit": (dict(text_input="word " * 2100, max_tokens=8), "the context limit is 2048"),
+    "negative temperature": (dict(text_input="Hi", max_tokens=8, temperature=-1.0),
+                             "invalid request: temperature must be >= 0, got -1.0"),
+    "NaN temperature": (dict(text_input="Hi", max_tokens=8, temperature=float("nan")),
+                        "invalid request: temperature must be >= 0, got nan"),
+    "top_p 0": (dict(text_input="Hi", max_tokens=8, top_p=0.0), "invalid request: top_p must be in (0, 1], got 0.0"),
+    "top_p above 1": (dict(text_input="Hi", max_tokens=8, top_p=1.5),
+                      "invalid request: top_p must be in (0, 1], got 1.5"),
+    "negative top_k": (dict(text_input="Hi", max_tokens=8, top_k=-1), "invalid request: top_k must be >= 0, got -1"),
+    "seed and random_seed differ": (dict(text_input="Hi", max_tokens=8, seed=np.array([[1]], dtype=np.uint64),
+                                         random_seed=np.array([[2]], dtype=np.uint64)),
+                                    "invalid request: seed and random_seed differ"),
+    "bad_words": (dict(text_input="Hi", max_tokens=8, bad_words=np.array([["bad"]], dtype=object)),
+                  "invalid request: bad_words is not supported"),
+    "non-UTF-8 stop word": (dict(text_input="Hi", max_tokens=8, stop_words=np.array([[b"\xff"]], dtype=object)),
+                            "invalid request: stop_words: not valid UTF-8"),
+    "wrong dtype": (dict(text_input="Hi", max_tokens=np.array([[8.0]], dtype=np.float32)),
+                    "inference input 'max_tokens' data-type is 'FP32'"),
+    "text as a number": (dict(text_input=np.array([[1]], dtype=np.int32), max_tokens=8),
+                         "inference input 'text_input' data-type is 'INT32'"),
+    "wrong shape": (dict(text_input="Hi", max_tokens=np.array([[8, 9]], dtype=np.int32)),
+                    "unexpected shape for input 'max_tokens'"),
+    "unknown input": (dict(text_input="Hi", max_tokens=8, temperture=0.5), "unexpected inference input 'temperture'"),
 }
 
 
-@pytest.mark.parametrize("model", FRONT_MODELS)
-@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
-def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(default_server, case, model):
-    values, message = BAD_REQUESTS[case]
-    stream = Stream(default_server.grpc_url)
+def refusal(url: str, model: str, values: dict) -> str:
+    """The error message a request gets (it must get one)."""
+    stream = Stream(url)
     try:
         stream.send(model, **values)
         results, error = stream.collect()
     finally:
         stream.close()
-    assert error is not None and message in error, error
+    assert error is not None, f"{model} answered {len(results)} response(s) instead of an error"
+    return error
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
+def test_malformed_requests_get_the_same_invalid_argument_error_from_both_front_models(default_server, case):
+    values, words = BAD_REQUESTS[case]
+    messages = {model: refusal(default_server.grpc_url, model, values) for model in FRONT_MODELS}
+    for model, message in messages.items():
+        assert words in message and error_class(message) == "INVALID_ARG", (model, message)
+    # the same words, but for what Triton adds: the ensemble's "in ensemble '...', " and the model's name
+    same = {re.sub(r"^in ensemble 'ensemble', ", "", m).replace(f"'{model}'", "'MODEL'")
+            for model, m in messages.items()}
+    assert len(same) == 1, messages
     assert streamed_text(default_server.grpc_url, "Hi", 2)[0]  # still serving
 
 

@@ -455,6 +455,11 @@ def wait_for_build(values: dict) -> dict:
 
 
 def server_container(values: dict) -> dict:
+    # Health (deploy/README.md, "Probes and a dead engine"): readiness is Triton's strict readiness (every
+    # model loaded; from Triton 26.01 every backend process alive, from 26.03 the engine loop too);
+    # liveness, that the server answers. A dead engine or backend process is dflash-serve's to catch on any
+    # Triton version: it stops tritonserver within seconds and exits non-zero, and the kubelet restarts the
+    # container (restartPolicy Always), whose startup probe then covers the reload.
     server = values["server"]
     ready = {"httpGet": {"path": READY_PATH, "port": "http"}}
     triton = container(values, "tritonserver", server_command(values), WRITABLE_HOME + OFFLINE,
@@ -483,7 +488,10 @@ def deployment(values: dict) -> dict:
     volumes = store_volumes(values, read_only=True, tmp_size=server["tmpSize"]) + [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": server["sharedMemory"]}}]
     labels = {**selector(values, "server"), "dflash/build": values["model"]["build"]}
-    pod = {**pod_basics(values), "terminationGracePeriodSeconds": termination_grace_seconds(values),
+    # Always (a Deployment's only choice, written out because the health design rests on it): dflash-serve
+    # exits non-zero when the engine dies, and a new container is the recovery
+    pod = {**pod_basics(values), "restartPolicy": "Always",
+           "terminationGracePeriodSeconds": termination_grace_seconds(values),
            "initContainers": [wait_for_build(values)], "containers": [server_container(values)], "volumes": volumes,
            "topologySpreadConstraints": spread(values), **placement(values)}
     spec = {"revisionHistoryLimit": 5, "selector": {"matchLabels": selector(values, "server")},

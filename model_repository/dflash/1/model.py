@@ -14,10 +14,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dflash_contract import DFlashError
-from dflash_contract.protocol import FINISH_REASON, STATISTICS, config_type, response_statistics
-from dflash_contract.server import drain_signal, drained_path
+from dflash_contract.presets import parse_block_size
+from dflash_contract.protocol import (FINISH_REASON, STATISTICS, config_type, error_class, invalid_request,
+                                      response_statistics)
+from dflash_contract.server import drain_signal, drained_path, report_engine_failure
 from dflash_runtime.pipeline import load_pipeline
-from dflash_serving.engine_loop import EngineLoop, QueueFull
+from dflash_runtime.verify_length import StepCosts
+from dflash_serving.engine_loop import EngineLoop, EngineStopped, QueueFull
 from dflash_serving.model_args import artifact_path, model_parameters
 from dflash_serving.requests import is_stop_request, parse_engine_request
 
@@ -31,20 +34,35 @@ class TritonPythonModel:
         drafter = params["drafter_dir"]
         max_batch_size = int(json.loads(args["model_config"])["max_batch_size"])
 
+        block_size = parse_block_size(params["block_size"])
+        profile = params.get("verify_profile")
+
         def make_engine():  # on the loop's thread: this thread must stay free of torch work
             pipeline = load_pipeline(str(artifact_path(args, params["target_dir"])),
                                      str(artifact_path(args, drafter)) if drafter else None,
                                      dtype=params["dtype"], device=params["device"])
-            return pipeline.engine(block_size=int(params["block_size"]), max_batch_size=max_batch_size,
-                                   max_context=int(params["max_context"]))
+            # the build's profile of step times; on another device the engine profiles itself
+            step_costs = StepCosts.from_json(json.loads(artifact_path(args, profile).read_text())) if profile else None
+            return pipeline.engine(block_size=block_size, max_batch_size=max_batch_size,
+                                   max_context=int(params["max_context"]), step_costs=step_costs)
 
         reports = queue.SimpleQueue()
-        self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put)
+        self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put,
+                               on_failure=self._engine_failed)
         self.metrics = EngineMetrics(args["model_name"], args["model_version"], self.loop.engine.block_size, reports)
         self.in_flight = {}  # request id -> TritonStream, for `stop` requests
         drain = drain_signal()
         if drain is not None:
             threading.Thread(target=self._drain_on_signal, args=drain, daemon=True).start()
+
+    def is_ready(self):
+        # Triton >= 26.03 asks this for /v2/models/dflash/ready (and strict server readiness); older
+        # servers never do, and dflash-serve learns of a dead loop from _engine_failed instead
+        return self.loop.alive
+
+    def _engine_failed(self, cause):
+        pb_utils.Logger.log_error(f"dflash: the engine loop died ({cause}); it serves nothing more until restarted")
+        report_engine_failure(cause)
 
     def _drain_on_signal(self, path, seconds):
         while not path.exists():
@@ -63,10 +81,10 @@ class TritonPythonModel:
             try:
                 prompt_ids, params, streaming = parse_engine_request(tensor)
                 self.loop.submit(prompt_ids, params, stream, streaming)
-            except QueueFull as e:
+            except (QueueFull, EngineStopped) as e:
                 stream.fail(str(e), pb_utils.TritonError.UNAVAILABLE)
             except DFlashError as e:
-                stream.fail(str(e), pb_utils.TritonError.INVALID_ARG)
+                stream.fail(invalid_request(str(e)), pb_utils.TritonError.INVALID_ARG)
         return None
 
     def _stop(self, request):
@@ -109,7 +127,9 @@ class TritonStream:
 
     def fail(self, message, code=None):
         self._forget()
-        error = pb_utils.TritonError(message, code if code is not None else pb_utils.TritonError.INTERNAL)
+        # the loop's failures (cancelled, shutting down, engine stopped, internal) say their class in words
+        code = code if code is not None else getattr(pb_utils.TritonError, error_class(message))
+        error = pb_utils.TritonError(message, code)
         self.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
 
     def is_cancelled(self):
@@ -134,6 +154,9 @@ class EngineMetrics:
         H, C, G = pb_utils.MetricFamily.HISTOGRAM, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         self.acceptance_length = family("dflash_acceptance_length", "Tokens committed per verify step (accepted "
                                         "drafts + 1)", H, buckets=[float(k) for k in range(1, block_size + 1)])
+        self.verify_length = family("dflash_verify_length", "Tokens verified per step: 1 + drafts per sequence "
+                                    "(block size auto picks it per step; 1 = plain decoding)", H,
+                                    buckets=[float(k) for k in range(1, block_size + 1)])
         self.draft_seconds = family("dflash_draft_duration_seconds", "Draft pass per step", H, buckets=LATENCY_BUCKETS)
         self.verify_seconds = family("dflash_verify_duration_seconds", "Verify pass per step", H,
                                      buckets=LATENCY_BUCKETS)
@@ -154,6 +177,8 @@ class EngineMetrics:
     def record(self, report):
         for length in report.acceptance_lengths:
             self.acceptance_length.observe(float(length))
+        if report.verify_length is not None:
+            self.verify_length.observe(float(report.verify_length))
         if report.acceptance_lengths:
             self.draft_seconds.observe(report.seconds["draft"])
             self.verify_seconds.observe(report.seconds["verify"])

@@ -6,42 +6,111 @@ client: once the client cancels, it sends `dflash` a `stop` request with the str
 cancellation check. Decoupled BLS `cancel()` would do the same, but only Triton >= 25.05 has it.
 """
 import threading
+import time
 import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dflash_contract.protocol import ENGINE_INPUTS, FINISH_REASON, STATISTICS, TOKEN_OUTPUTS
+from dflash_contract.protocol import (ENGINE_INPUTS, ENGINE_STOPPED_MESSAGE, FINISH_REASON, FRONT_INPUTS,
+                                      INTERNAL_ERROR_PREFIX, STATISTICS, TOKEN_OUTPUTS, error_class)
+from dflash_contract.server import failure_signal
 
 RESPONSE_OUTPUTS = (FINISH_REASON, *(s.tensor for s in STATISTICS))  # passed on to the client as they are
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+FAILURE_CHECK_SECONDS = 0.25
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        self.in_flight = InFlight()
+        failure = failure_signal()
+        if failure is not None:
+            threading.Thread(target=self._end_streams_on_failure, args=(failure,), daemon=True).start()
+
     def execute(self, requests):
         # a thread per request: a stream lasts many engine steps, and execute must return
         for request in requests:
-            threading.Thread(target=_serve, args=(request,), daemon=True).start()
+            threading.Thread(target=_serve, args=(request, self.in_flight), daemon=True).start()
         return None
 
+    def _end_streams_on_failure(self, path):
+        # When the engine's process dies, its streams wait for responses forever (Triton 2.51, measured).
+        # dflash-serve says so in this file before it stops the server: end them with why, meanwhile.
+        while not path.exists():
+            time.sleep(FAILURE_CHECK_SECONDS)
+        message = f"{ENGINE_STOPPED_MESSAGE} ({path.read_text(errors='replace')}); retry on another replica"
+        for stream in self.in_flight.take_all():
+            stream.end(pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE))
 
-def _serve(request):
-    sender = request.get_response_sender()
+
+class ClientStream:
+    """One request's response sender, which a failure may end from another thread. Once a final
+    response is sent, the sender must not be touched: Triton 2.51 frees it (is_cancelled() on it then
+    crashed the server)."""
+
+    def __init__(self, sender):
+        self._sender, self._lock, self.ended = sender, threading.Lock(), False
+
+    def send(self, response, final):
+        with self._lock:
+            if not self.ended:
+                self._sender.send(response, flags=FINAL if final else 0)
+                self.ended = final
+
+    def is_cancelled(self):
+        with self._lock:
+            return not self.ended and self._sender.is_cancelled()
+
+    def end(self, error):
+        """Send `error` as the final response, unless the stream has ended already."""
+        with self._lock:
+            if self.ended:
+                return
+            self.ended = True
+            try:
+                self._sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            except Exception as e:  # the client is gone: nobody left to tell
+                pb_utils.Logger.log_warn(f"dflash_bls: could not send the final error ({e})")
+
+
+class InFlight:
+    """The streams in progress, for _end_streams_on_failure."""
+
+    def __init__(self):
+        self._streams, self._lock = set(), threading.Lock()
+
+    def add(self, stream):
+        with self._lock:
+            self._streams.add(stream)
+
+    def discard(self, stream):
+        with self._lock:
+            self._streams.discard(stream)
+
+    def take_all(self):
+        with self._lock:
+            streams, self._streams = self._streams, set()
+        return streams
+
+
+def _serve(request, in_flight):
+    stream = ClientStream(request.get_response_sender())
+    in_flight.add(stream)
     try:
-        error = _generate(request, sender)
+        error = _generate(request, stream)
     except Exception as e:  # a bug must still end the client's stream
-        error = pb_utils.TritonError(f"internal error: {type(e).__name__}: {e}")
+        error = pb_utils.TritonError(f"{INTERNAL_ERROR_PREFIX}: {type(e).__name__}: {e}")
+    in_flight.discard(stream)
     if error is not None:
-        try:
-            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
-        except Exception as e:  # the client is gone: nobody left to tell
-            pb_utils.Logger.log_warn(f"dflash_bls: could not send the final error ({e})")
+        stream.end(_classified(error))
 
 
-def _generate(request, sender):
+def _generate(request, client):
     """Stream (or collect) the answer to the client; returns the error to send instead, or None."""
-    prompt = _call("preprocessing", _inputs(request, ("text_input", "apply_chat_template")), ["input_ids"])
+    # all inputs: preprocessing checks every one before the engine sees the request
+    prompt = _call("preprocessing", _inputs(request, FRONT_INPUTS), ["input_ids"])
     if prompt.has_error():
         return prompt.error()
     stream = pb_utils.get_input_tensor_by_name(request, "stream")
@@ -56,7 +125,9 @@ def _generate(request, sender):
     # cancellation is seen
     try:
         for response in engine.exec(decoupled=True):
-            if not stopped and sender.is_cancelled():
+            if client.ended:  # by _end_streams_on_failure: the server is going down
+                return None
+            if not stopped and client.is_cancelled():
                 _stop(request_id)
                 stopped = True
             if response.has_error():
@@ -72,7 +143,7 @@ def _generate(request, sender):
             delta = pb_utils.get_output_tensor_by_name(text, "text_output").as_numpy().item()
             finished = bool(pb_utils.get_output_tensor_by_name(response, FINISH_REASON).as_numpy().item())
             if streaming:
-                sender.send(_answer(delta, response), flags=FINAL if finished else 0)
+                client.send(_answer(delta, response), final=finished)
             else:
                 texts.append(delta)
             last = response
@@ -83,8 +154,16 @@ def _generate(request, sender):
     if last is None:
         return pb_utils.TritonError("dflash ended the stream without an answer")
     if not streaming:
-        sender.send(_answer(b"".join(texts), last), flags=FINAL)
+        client.send(_answer(b"".join(texts), last), final=True)
     return None
+
+
+def _classified(error):
+    """The error with the code its message's class calls for: the models' codes are lost on the way
+    (a BLS response keeps the message only), and Triton reports a dead backend process as INTERNAL
+    where the client should retry elsewhere (UNAVAILABLE)."""
+    code = getattr(pb_utils.TritonError, error_class(error.message()))
+    return pb_utils.TritonError(error.message(), code)
 
 
 def _inputs(request, names):

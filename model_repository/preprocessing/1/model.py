@@ -1,11 +1,17 @@
-"""Triton model `preprocessing`: text_input (+ apply_chat_template) -> input_ids."""
+"""Triton model `preprocessing`: a front-model request -> input_ids, every input checked first.
+
+It is the first step of both front models (the ensemble's, and dflash_bls's first call), and it gets
+all their inputs: one set of checks (dflash_serving.requests) refuses malformed requests with the
+same message wherever they come in, before anything reaches the engine.
+"""
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dflash_contract import DFlashError
+from dflash_contract.protocol import invalid_request
 from dflash_runtime.text import encode_prompt, load_tokenizer
 from dflash_serving.model_args import artifact_path, model_parameters
-from dflash_serving.requests import utf8
+from dflash_serving.requests import parse_front_request
 
 
 class TritonPythonModel:
@@ -19,16 +25,17 @@ class TritonPythonModel:
         return [self._encode(request) for request in requests]
 
     def _encode(self, request):
-        texts = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()
-        chat = pb_utils.get_input_tensor_by_name(request, "apply_chat_template")
+        def tensor(name):
+            value = pb_utils.get_input_tensor_by_name(request, name)
+            return None if value is None else value.as_numpy()
+
         try:
-            if texts.size != 1:  # the engine batches requests itself; a batch per request has no use
-                raise DFlashError(f"text_input: send one prompt per request, got {texts.size}")
-            text = utf8("text_input", texts.item())
+            text, chat = parse_front_request(tensor)
             try:
-                ids = encode_prompt(self.tokenizer, text, chat=chat is not None and bool(chat.as_numpy().item()))
+                ids = encode_prompt(self.tokenizer, text, chat=chat)
             except DFlashError as e:
                 raise DFlashError(f"text_input: {e}") from None
         except DFlashError as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+            error = pb_utils.TritonError(invalid_request(str(e)), pb_utils.TritonError.INVALID_ARG)
+            return pb_utils.InferenceResponse(error=error)
         return pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32))])
