@@ -180,7 +180,9 @@ def test_streaming_and_non_streaming_return_the_same_text(grpc_client, http_clie
     stats = streamed.stats
     assert stats.draft_steps >= 1 and stats.mean_acceptance_length >= 1
     assert 0 <= stats.accepted_draft_tokens <= stats.draft_tokens
-    assert stats == whole.stats  # greedy: the same tokens, the same acceptance
+    # block size auto: how many drafts each step verifies depends on what the engine has learnt by then,
+    # so two runs of one greedy request agree on the text, not on the speculation statistics
+    assert whole.stats.draft_steps >= 1 and 0 <= whole.stats.accepted_draft_tokens <= whole.stats.draft_tokens
     assert http_client.generate(STORY, params).text == whole.text
     assert http_client.generate(STORY, params, stream=True).text == whole.text
     raw = grpc_client.generate("def fibonacci(n):", GenerationParams(max_tokens=12), chat=False)

@@ -29,27 +29,37 @@ WARM_UP = CONCURRENCY
 RSS_DRIFT_LIMIT = 0.02
 
 
+@pytest.fixture(scope="module")
+def soak_server(default_build, tmp_path_factory):
+    """A server of its own: the baseline is a fresh server's, whatever the tests before did to theirs."""
+    from deploy.serve import start_server
+
+    log = tmp_path_factory.mktemp("soak-server") / "tritonserver.log"
+    with start_server(default_build / "model_repository", 0, 0, 0, log_path=log) as server:
+        yield server
+
+
 @pytest.mark.soak
-def test_soak_loses_nothing_changes_nothing_and_leaks_nothing(default_server):
+def test_soak_loses_nothing_changes_nothing_and_leaks_nothing(soak_server):
     params = GenerationParams(max_tokens=MAX_TOKENS)
-    solo = asyncio.run(_answers(default_server.grpc_url, PROMPTS, params, concurrency=1))
+    solo = asyncio.run(_answers(soak_server.grpc_url, PROMPTS, params, concurrency=1))
     assert not [a for a in solo if isinstance(a, BaseException)], solo
     expected = {p: (a.text, a.finish_reason) for p, a in zip(PROMPTS, solo)}
-    asyncio.run(_answers(default_server.grpc_url, _prompts(WARM_UP), params, CONCURRENCY))
-    assert wait_for_metric(default_server, "dflash_active_sequences", 0)
-    kv_before = metric(default_server, "dflash_kv_cache_utilization")
-    rss_before = server_rss(default_server.process.pid)
+    asyncio.run(_answers(soak_server.grpc_url, _prompts(WARM_UP), params, CONCURRENCY))
+    assert wait_for_metric(soak_server, "dflash_active_sequences", 0)
+    kv_before = metric(soak_server, "dflash_kv_cache_utilization")
+    rss_before = server_rss(soak_server.process.pid)
 
     prompts = _prompts(REQUESTS)
     started = time.monotonic()
-    answers = asyncio.run(_answers(default_server.grpc_url, prompts, params, CONCURRENCY))
+    answers = asyncio.run(_answers(soak_server.grpc_url, prompts, params, CONCURRENCY))
     seconds = time.monotonic() - started
     lost = [a for a in answers if isinstance(a, BaseException)]
     mismatched = [(p, a.text) for p, a in zip(prompts, answers)
                   if not isinstance(a, BaseException) and (a.text, a.finish_reason) != expected[p]]
-    assert wait_for_metric(default_server, "dflash_active_sequences", 0)
-    kv_after = metric(default_server, "dflash_kv_cache_utilization")
-    rss_after = server_rss(default_server.process.pid)
+    assert wait_for_metric(soak_server, "dflash_active_sequences", 0)
+    kv_after = metric(soak_server, "dflash_kv_cache_utilization")
+    rss_after = server_rss(soak_server.process.pid)
     drift = (rss_after - rss_before) / rss_before
     print(f"\nsoak: {REQUESTS} requests at concurrency {CONCURRENCY} ({MAX_TOKENS} tokens each) in {seconds:.1f} s "
           f"({REQUESTS / seconds:.1f} requests/s); lost {len(lost)}, mismatched {len(mismatched)}; "
