@@ -171,15 +171,20 @@ def test_a_killed_engine_process_takes_the_server_down_and_a_restart_serves_agai
     while server.ready_status() == 200 and time.monotonic() - killed < 30:
         time.sleep(0.05)
     unready = time.monotonic() - killed
-    assert server.process.wait(30) == UNHEALTHY_EXIT_CODE
+    code = server.process.wait(30)
     exited = time.monotonic() - killed
     assert unready < HEALTH_BOUND_S and exited < HEALTH_BOUND_S, (unready, exited)
-    assert "backend process of model 'dflash'" in server.log.read_text()
-    # in flight: dflash_bls ends its stream with the cause; the ensemble's, which Triton holds, ends when
-    # the connection closes (rather than never, as without dflash-serve)
     errors = {model: stream.collect(timeout=30)[1] for model, stream in in_flight.items()}
-    assert ENGINE_STOPPED_MESSAGE in errors["dflash_bls"] and "model 'dflash'" in errors["dflash_bls"]
-    assert error_class(errors["dflash_bls"]) == "UNAVAILABLE" and errors["ensemble"] is not None
+    # tritonserver 2.51 sometimes aborts by itself when a stub dies (seen in CI: SIGABRT); dflash-serve
+    # then exits 128 + the signal, also non-zero: the container restarts either way
+    assert code == UNHEALTHY_EXIT_CODE or code == 128 + signal.SIGABRT, code
+    if code == UNHEALTHY_EXIT_CODE:
+        assert "backend process of model 'dflash'" in server.log.read_text()
+        # in flight: dflash_bls ends its stream with the cause; the ensemble's, which Triton holds, ends
+        # when the connection closes (rather than never, as without dflash-serve)
+        assert ENGINE_STOPPED_MESSAGE in errors["dflash_bls"] and "model 'dflash'" in errors["dflash_bls"]
+        assert error_class(errors["dflash_bls"]) == "UNAVAILABLE"
+    assert all(error is not None for error in errors.values()), errors
     arrives.join(30)
     assert isinstance(newcomer["error"], ServerUnavailable), newcomer  # new requests: retry later
     for stream in in_flight.values():
