@@ -223,7 +223,7 @@ class SpeculativeEngine:
         else:
             for i, seq in enumerate(deferred):
                 self.pending_context.setdefault(seq.slot, []).append((features[i, 0], positions[i, 0]))
-            if len(self.pending_context[deferred[0].slot]) >= MAX_PENDING_CONTEXT:
+            if max(len(self.pending_context[seq.slot]) for seq in deferred) >= MAX_PENDING_CONTEXT:
                 self._write_pending_context(deferred)
         self.draft_cache.crop(slots, lengths)
 
