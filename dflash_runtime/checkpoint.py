@@ -152,6 +152,7 @@ def materialize_gguf(gguf_file: Path, name: str) -> Path:
 
     print(f"converting {gguf_file.name} to {out} (once)", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    forget_gguf_quantization(model, gguf_file.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -161,6 +162,24 @@ def materialize_gguf(gguf_file: Path, name: str) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def forget_gguf_quantization(model: nn.Module, where: str) -> None:
+    """Make a GGUF-loaded, already dequantized model an ordinary float model that save_pretrained accepts.
+
+    transformers 5.14 dequantizes GGUF and returns a plain model; later releases (5.17 verified) load it
+    through a GGUF quantizer that, on a device without GGUF kernels, also dequantizes everything, but
+    leaves the model marked as quantized (`hf_quantizer`, `config.quantization_config`), and
+    save_pretrained refuses such a model as "not serializable". The weights are float either way, so
+    the marker is cleared; a weight still packed in GGUF blocks (integer dtype) is an error instead.
+    """
+    packed = [name for name, t in model.state_dict().items() if not t.dtype.is_floating_point]
+    if packed:
+        raise DFlashError(f"{where}: transformers left GGUF weights packed ({_preview(packed)}); "
+                          "cannot convert them to a float checkpoint")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def resolve_checkpoint(ref: str) -> Path:
