@@ -24,7 +24,13 @@ def _package_file(package: str, *parts: str) -> Path:
 
 
 def sharegpt_conversations(split: str) -> Iterator[tuple[str, str]]:
-    """(first user turn, first assistant reply) pairs of one split: "train" or "heldout".
+    """(first user turn, first assistant reply) pairs of one split: "train" or "heldout"."""
+    return ((prompt, reply) for prompt, reply, _ in sharegpt_dialogues(split))
+
+
+def sharegpt_dialogues(split: str) -> Iterator[tuple[str, str, list[str]]]:
+    """(first user turn, first assistant reply, the later user turns) of one split, in the order (and so with
+    the indices) of sharegpt_conversations.
 
     The JSON file shipped in the wheel is truncated at its end, so items are decoded one by one and
     the incomplete tail is dropped.
@@ -47,8 +53,9 @@ def sharegpt_conversations(split: str) -> Iterator[tuple[str, str]]:
         turns = item.get("conversations") or []
         if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
             prompt, reply = turns[0].get("value", "").strip(), turns[1].get("value", "").strip()
+            later = [t.get("value", "").strip() for t in turns[2:] if t.get("from") == "human"]
             if prompt and reply:
-                yield prompt, reply
+                yield prompt, reply, [t for t in later if t]
 
 
 def humaneval_prompts() -> list[str]:

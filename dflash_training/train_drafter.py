@@ -16,6 +16,14 @@ Recipe (DFlash paper, adapted to CPU economics):
   exp(-(k-1)/decay) (the paper's exponential position decay).
 - Draft layers start as copies of the target's top layers (q_norm/k_norm at identity).
 
+Devices: --device cuda runs the frozen target and the drafter on a GPU; --dtype bfloat16 keeps the target
+(and so its features, computed once per batch) in bf16 and runs the drafter's forward under bf16 autocast,
+with float32 master weights, optimizer and loss. Random draws (anchors, cached batches) come from a CPU
+generator whatever the device, so a seed means the same blocks everywhere. A memory estimate by part is
+printed before the first step (dflash_training.memory). The recipe knobs of ModelOpt's DFlash training are
+options: --block-size 8 (decay 4, the default for 8) or 16 (decay 7), --anchors per sequence,
+--answer-only, --draft-layers.
+
 Checkpoints (model, optimizer, data cursor, RNG) are written every --save-every steps and training
 resumes from them; --max-minutes bounds a session. A JSONL learning curve records every evaluation.
 """
@@ -44,12 +52,16 @@ from dflash_runtime.pipeline import Pipeline, load_pipeline
 from dflash_runtime.sampling import SamplingParams
 from dflash_runtime.target import TargetModel
 from dflash_tools.prompts import sharegpt_conversations
+from dflash_training import memory
 from dflash_training.drafter_data import read_responses, training_sequence
 
 EXAMPLES = """examples:
   dflash-train-drafter --output runs/my-drafter --max-minutes 60
   dflash-train-drafter --output runs/my-drafter --responses runs/responses --feature-cache 200000 \\
       --init models/smollm2-135m-dflash
+  dflash-train-drafter --target /models/qwen3-8b --output runs/qwen3-8b-drafter --responses runs/qwen3-responses \\
+      --device cuda --dtype bfloat16 --draft-layers 5 --block-size 8 --anchors 512 --seq-len 4096 --batch-size 4 \\
+      --mask-token-id ID
   python -m dflash_training.train_drafter --help
 """
 
@@ -75,17 +87,19 @@ def new_drafter(target: TargetModel, num_layers: int, block_size: int, mask_toke
     top = target.model.layers[s.num_layers - num_layers:]
     with torch.no_grad():
         for layer, source in zip(drafter.layers, top):
-            state = {k: v for k, v in source.state_dict().items()}
+            state = {k: v.float().cpu() for k, v in source.state_dict().items()}
             missing = layer.load_state_dict(state, strict=False).missing_keys
             assert all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing), missing
-        drafter.norm.weight.copy_(target.model.norm.weight)
+        drafter.norm.weight.copy_(target.model.norm.weight.float().cpu())
     return drafter
 
 
-def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0, responses: str | None = None):
+def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0, responses: str | None = None,
+                   answer_only: bool = False):
     """(token ids, first anchor) of at most seq_len tokens: chat-formatted ShareGPT (prompt, reply)
     pairs, or the target's own responses from a dflash-drafter-data directory (re-read every epoch: it
-    may grow). None for a text too short to train on.
+    may grow). None for a text too short to train on. answer_only: ShareGPT blocks start in the reply
+    (ModelOpt's answer-only loss; the target's responses are always trained that way).
 
     On the target's responses blocks start in the response only, as they do when decoding: the first
     block's anchor is the first generated token. There every label lies on the target's greedy path;
@@ -98,24 +112,27 @@ def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0, responses: str |
         return
     for prompt, reply in itertools.islice(sharegpt_conversations("train"), skip, None):
         ids = pipe.encode(prompt)
+        first = len(ids) if answer_only else 1
         reply_ids = pipe.tokenizer.encode(reply, add_special_tokens=False)
         eos = pipe.target.config.eos_token_ids[:1]
         ids = (ids + reply_ids + list(eos))[:seq_len]
-        yield (ids, 1) if len(ids) >= 32 else None
+        yield (ids, first) if len(ids) >= 32 and len(ids) - first >= 2 else None
 
 
 _END = object()
 
 
-def training_batches(pipe: Pipeline, seq_len: int, batch_size: int, skip: int = 0, responses: str | None = None):
-    """Endless batches of (token ids, first anchor), each with the data cursor (texts read in this epoch)."""
-    cursor, texts, batch, used = skip, training_texts(pipe, seq_len, skip, responses), [], 0
+def training_batches(texts_from, batch_size: int, skip: int = 0):
+    """Endless batches of (token ids, first anchor), each with the data cursor (texts read in this epoch).
+
+    texts_from(skip): the training texts after the first `skip` (training_texts)."""
+    cursor, texts, batch, used = skip, texts_from(skip), [], 0
     while True:
         text = next(texts, _END)
         if text is _END:  # next epoch
             if not used and skip == 0:  # a whole epoch gave nothing
                 raise DFlashError("no training sequences of at least 32 tokens")
-            cursor, skip, used, texts = 0, 0, 0, training_texts(pipe, seq_len, 0, responses)
+            cursor, skip, used, texts = 0, 0, 0, texts_from(0)
             continue
         cursor += 1
         if text is not None:
@@ -134,11 +151,12 @@ def initial_drafter(args: argparse.Namespace, target: TargetModel) -> DFlashDraf
     if not args.init:
         s = target.config.shape
         layer_ids = tuple(args.target_layer_ids or spread_layer_ids(s.num_layers, args.num_target_features))
-        return new_drafter(target, args.draft_layers, args.block_size or 16, args.mask_token_id, layer_ids)
+        drafter = new_drafter(target, args.draft_layers, args.block_size or 16, args.mask_token_id, layer_ids)
+        return drafter.to(args.device)  # float32 master weights whatever the target's dtype
     config = DrafterConfig.from_dir(Path(args.init))  # its config fixes the architecture
     drafter = DFlashDrafter(dataclasses.replace(config, block_size=args.block_size or config.block_size))
     drafter.config.check_against(target.config, args.init)
-    load_weights(drafter, read_safetensors(Path(args.init)), args.init, torch.float32, "cpu")
+    load_weights(drafter, read_safetensors(Path(args.init)), args.init, torch.float32, args.device)
     return drafter
 
 
@@ -164,13 +182,12 @@ def target_features(target: TargetModel, batch: list[list[int]], layer_ids: tupl
     Labels come from the final hidden states only where a block needs them: the 49K-way head over
     every position would cost more than the prefill itself.
     """
-    T = max(map(len, batch))
-    tokens = torch.zeros(len(batch), T, dtype=torch.long)
-    for i, ids in enumerate(batch):
-        tokens[i, :len(ids)] = torch.tensor(ids)
+    T, device = max(map(len, batch)), target.device
+    tokens = torch.tensor([ids + [0] * (T - len(ids)) for ids in batch], dtype=torch.long, device=device)
     cache = target.new_cache(len(batch), T)
-    positions = torch.arange(T)[None].expand(len(batch), T)
-    final, features = target(tokens, positions, cache, torch.arange(len(batch)), layer_ids, apply_head=False)
+    positions = torch.arange(T, device=device)[None].expand(len(batch), T)
+    slots = torch.arange(len(batch), device=device)
+    final, features = target(tokens, positions, cache, slots, layer_ids, apply_head=False)
     return tokens, features, final
 
 
@@ -224,9 +241,9 @@ def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...],
         for i, (ids, first) in enumerate(batch):
             n = len(ids)
             with torch.no_grad():
-                labels = target.lm_head(final[i, :n]).argmax(-1)
-            sequences.append(CachedSequence(tokens[i, :n].clone(), features[i, :n].bfloat16(),
-                                            final[i, :n].bfloat16(), labels, first))
+                labels = target.lm_head(final[i, :n]).argmax(-1).cpu()
+            sequences.append(CachedSequence(tokens[i, :n].cpu(), features[i, :n].bfloat16().cpu(),
+                                            final[i, :n].bfloat16().cpu(), labels, first))
             bar.update(n)
     bar.close()
     # plain tuples: a pickled class would tie the file to the module that ran the trainer
@@ -236,33 +253,37 @@ def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...],
     return sequences
 
 
-def sample_batch(sequences: list[CachedSequence], batch_size: int, generator: torch.Generator):
-    """A random batch from cached features, right-padded like target_features' output, plus labels."""
+def sample_batch(sequences: list[CachedSequence], batch_size: int, generator: torch.Generator,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """A random batch from cached features, right-padded like target_features' output, plus labels.
+
+    Assembled on the host (the cache lives there), then moved to `device` in one copy per tensor."""
     picked = [sequences[i] for i in torch.randint(len(sequences), (batch_size,), generator=generator).tolist()]
     T = max(len(c.tokens) for c in picked)
-    tokens = torch.zeros(batch_size, T, dtype=torch.long)
-    labels = torch.zeros(batch_size, T, dtype=torch.long)
-    features = torch.zeros(batch_size, T, picked[0].features.shape[-1])
-    final = torch.zeros(batch_size, T, picked[0].final.shape[-1])
+    tokens = torch.zeros(batch_size, T, dtype=torch.long, device="cpu")
+    labels = torch.zeros(batch_size, T, dtype=torch.long, device="cpu")
+    features = torch.zeros(batch_size, T, picked[0].features.shape[-1], dtype=dtype, device="cpu")
+    final = torch.zeros(batch_size, T, picked[0].final.shape[-1], dtype=dtype, device="cpu")
     for i, c in enumerate(picked):
         n = len(c.tokens)
         tokens[i, :n], features[i, :n], final[i, :n], labels[i, :n] = c.tokens, c.features, c.final, c.labels
-    return [(c.tokens.tolist(), c.first_anchor) for c in picked], (tokens, features, final, labels)
+    tensors = tuple(t.to(device, non_blocking=True) for t in (tokens, features, final, labels))
+    return [(c.tokens.tolist(), c.first_anchor) for c in picked], tensors
 
 
 def drafter_hidden(drafter: DFlashDrafter, target: TargetModel, tokens, features, anchors, block_size: int):
     """Draft hidden states for many blocks at once: the drafter's own forward, with the context K/V
     of every position computed in the graph instead of read from a cache. anchors: [B, A] -> [B, A*S, H]."""
     B, T = tokens.shape
-    A, S = anchors.shape[1], block_size
+    A, S, device = anchors.shape[1], block_size, tokens.device
     context = drafter.context(features).flatten(0, 1)  # [B * T, H]
-    context_positions = torch.arange(T).repeat(B)
-    block_positions = (anchors[:, :, None] + torch.arange(S)).flatten(1)
-    block_tokens = torch.full((B, A, S), drafter.config.mask_token_id)
+    context_positions = torch.arange(T, device=device).repeat(B)
+    block_positions = (anchors[:, :, None] + torch.arange(S, device=device)).flatten(1)
+    block_tokens = torch.full((B, A, S), drafter.config.mask_token_id, device=device)
     block_tokens[:, :, 0] = tokens.gather(1, anchors)
     query_anchor = anchors.repeat_interleave(S, dim=1)  # [B, A*S]
-    sees_context = torch.arange(T)[None, None, :] < query_anchor[:, :, None]  # strictly before the anchor
-    block_id = torch.arange(A).repeat_interleave(S)
+    sees_context = torch.arange(T, device=device)[None, None, :] < query_anchor[:, :, None]  # before the anchor
+    block_id = torch.arange(A, device=device).repeat_interleave(S)
     sees_block = (block_id[:, None] == block_id[None, :]).expand(B, A * S, A * S)
     mask = torch.cat([sees_context, sees_block], dim=2)[:, None]
 
@@ -286,17 +307,13 @@ def block_loss(drafter, target, tokens, features, final, lengths, block_size, an
     argmax; the accuracy still counts argmax agreement, which is what greedy acceptance needs.
     labels: the target's argmax at every position [B, T], if known (cached): saves the full head.
     """
-    S = block_size
-    first_anchors = first_anchors or [1] * len(lengths)
-    anchors = torch.stack([
-        torch.randint(first, max(first + 1, n - 1), (anchors_per_seq,), generator=generator)
-        for first, n in zip(first_anchors, lengths)
-    ])
+    S, device = block_size, tokens.device
+    anchors = draw_anchors(first_anchors or [1] * len(lengths), lengths, anchors_per_seq, generator).to(device)
     hidden = drafter_hidden(drafter, target, tokens, features, anchors, S).unflatten(1, (anchors_per_seq, S))
-    k = torch.arange(1, S)
+    k = torch.arange(1, S, device=device)
     label_pos = anchors[:, :, None] + k - 1  # the target's prediction for block position k
-    valid = label_pos < torch.tensor(lengths)[:, None, None] - 1
-    rows = torch.arange(len(lengths))[:, None, None].expand_as(label_pos)[valid]
+    valid = label_pos < torch.tensor(lengths, device=device)[:, None, None] - 1
+    rows = torch.arange(len(lengths), device=device)[:, None, None].expand_as(label_pos)[valid]
     label_final = final[rows, label_pos[valid]]
     if labels is not None:
         target_ids = labels[rows, label_pos[valid]]
@@ -308,20 +325,33 @@ def block_loss(drafter, target, tokens, features, final, lengths, block_size, an
         ids = torch.unique(torch.cat([vocab_subset, target_ids]))
         head = head[ids]
         target_ids = torch.searchsorted(ids, target_ids)
-    logits = hidden[:, :, 1:][valid] @ head.T
+    # the softmax and the loss in float32 whatever the matmuls ran in (bf16 autocast, a bf16 target)
+    logits = (hidden[:, :, 1:][valid] @ head.T).float()
     weights = torch.exp(-(k - 1) / decay).expand_as(label_pos)[valid]
     if soft_labels:  # KL(target || draft): the soft cross-entropy's gradient, 0 when the draft matches
         with torch.no_grad():
-            target_log_probs = (label_final @ head.T).log_softmax(-1)
+            target_log_probs = (label_final @ head.T).float().log_softmax(-1)
         per_token = F.kl_div(logits.log_softmax(-1), target_log_probs, reduction="none", log_target=True).sum(-1)
     else:
         per_token = F.cross_entropy(logits, target_ids, reduction="none")
     loss = (per_token * weights).sum() / weights.sum()
     hits = (logits.argmax(-1) == target_ids)
     position = k.expand_as(label_pos)[valid] - 1
-    correct = torch.zeros(S - 1).index_add_(0, position, hits.float())
-    counted = torch.zeros(S - 1).index_add_(0, position, torch.ones_like(hits, dtype=torch.float))
-    return loss, correct, counted
+    correct = torch.zeros(S - 1, device=device).index_add_(0, position, hits.float())
+    counted = torch.zeros(S - 1, device=device).index_add_(0, position, torch.ones_like(hits, dtype=torch.float))
+    return loss, correct.cpu(), counted.cpu()
+
+
+def draw_anchors(first_anchors: list[int], lengths: list[int], count: int, generator: torch.Generator):
+    """[B, count] block start positions, first_anchor <= a < length - 1 per sequence.
+
+    Drawn on the host from a CPU generator whatever device trains: the same seed gives the same blocks
+    on any device, and a checkpoint's generator state resumes anywhere.
+    """
+    return torch.stack([
+        torch.randint(first, max(first + 1, n - 1), (count,), generator=generator, device="cpu")
+        for first, n in zip(first_anchors, lengths)
+    ])
 
 
 def estimated_acceptance(correct: torch.Tensor, counted: torch.Tensor) -> float:
@@ -370,7 +400,10 @@ def train(args: argparse.Namespace) -> None:
     run = start_run(args)
     heldout = heldout_data(run)
     vocab_subset = frequent_tokens(run.pipe, args.train_vocab, args.responses) if args.train_vocab else None
+    if vocab_subset is not None:
+        vocab_subset = vocab_subset.to(args.device)
     next_batch = batch_source(run)
+    print(memory.describe(estimated_memory(run, vocab_subset), free_device_memory(args.device)), file=sys.stderr)
     with (run.out / "learning_curve.jsonl").open("a") as curve:
         run.session_cpu, run.session_wall = time.process_time(), time.time()
         if run.step == 0 and args.init and curve.tell() == 0:
@@ -386,13 +419,15 @@ def start_run(args: argparse.Namespace) -> TrainingRun:
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_device(args.device)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    pipe = load_pipeline(args.target, drafter=None)
+    pipe = load_pipeline(args.target, drafter=None, dtype=args.dtype, device=args.device)
     target = pipe.target.requires_grad_(False)
     if pipe.tokenizer is None:
         raise DFlashError(f"{pipe.target_dir} has no tokenizer; the trainer needs one")
     drafter = initial_drafter(args, target)
+    args.decay = args.decay or recipe_decay(drafter.config.block_size)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     run = TrainingRun(args, out, pipe, target, drafter, optimizer, torch.Generator().manual_seed(args.seed))
     if run.checkpoint_path.is_file():
@@ -400,8 +435,44 @@ def start_run(args: argparse.Namespace) -> TrainingRun:
     return run
 
 
+def estimated_memory(run: TrainingRun, vocab_subset: torch.Tensor | None) -> dict[str, float]:
+    """dflash_training.memory's estimate for this run's options (GiB by part)."""
+    args, target, config = run.args, run.target, run.drafter.config
+    weights = sum(t.numel() * t.element_size() for t in target.state_dict().values())
+    softmax = len(vocab_subset) + args.batch_size * args.anchors if vocab_subset is not None else \
+        target.config.shape.vocab_size
+    sizes = memory.StepSizes(args.batch_size, args.seq_len, args.anchors, config.block_size, config.shape.num_layers,
+                             len(config.target_layer_ids), softmax, 2 if args.dtype == "bfloat16" else 4)
+    return memory.step_memory(target.config.shape, weights, sizes)
+
+
+def free_device_memory(device: str) -> float | None:
+    """Free GiB on a CUDA device (None elsewhere: a CPU's RAM is shared with everything else)."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(torch.device(device))[0] / memory.GIB
+
+
+def recipe_decay(block_size: int) -> float:
+    """The position decay of ModelOpt's DFlash recipe (4 at block 8, 7 at block 16), on the line through both."""
+    return 1 + 3 * block_size / 8
+
+
+def check_device(device: str) -> None:
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise DFlashError(f"--device {device}: torch sees no CUDA device (torch {torch.__version__})")
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 GEMMs on tensor cores, as the H200 run did
+
+
+def autocast(args: argparse.Namespace):
+    """bf16 autocast of the drafter's forward with --dtype bfloat16 (the loss itself stays float32)."""
+    return torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+
+
 def resume(run: TrainingRun) -> None:
-    state = torch.load(run.checkpoint_path, weights_only=False)
+    # on the host first: a checkpoint written on a GPU resumes on a CPU and the other way round
+    state = torch.load(run.checkpoint_path, weights_only=False, map_location="cpu")
     config = run.drafter.config.to_dict()
     if state.get("config", config) != config:
         raise DFlashError(f"{run.checkpoint_path} holds a drafter of another shape ({state['config']}); pass the "
@@ -441,8 +512,11 @@ def batch_source(run: TrainingRun):
     loss). With --feature-cache: a random draw from the cached features (the cursor stays).
     """
     args, layer_ids = run.args, run.drafter.config.target_layer_ids
+
+    def texts_from(skip: int):
+        return training_texts(run.pipe, args.seq_len, skip, args.responses, args.answer_only)
     if not args.feature_cache:
-        batches = training_batches(run.pipe, args.seq_len, args.batch_size, run.seen_texts, args.responses)
+        batches = training_batches(texts_from, args.batch_size, run.seen_texts)
 
         def next_texts():
             batch, cursor = next(batches)
@@ -451,9 +525,10 @@ def batch_source(run: TrainingRun):
         return next_texts
     source = {"data": str(Path(args.responses).resolve()) if args.responses else "sharegpt", "seq_len": args.seq_len,
               "target_layer_ids": list(layer_ids)}
-    cache = cached_features(run.target, lambda skip: training_texts(run.pipe, args.seq_len, skip, args.responses),
-                            layer_ids, args.feature_cache, run.out / "features.pt", source)
-    return lambda: (*sample_batch(cache, args.batch_size, run.rng), run.seen_texts)
+    if args.answer_only and not args.responses:  # the key only where it changes the cache: older caches stay valid
+        source["answer_only"] = True
+    cache = cached_features(run.target, texts_from, layer_ids, args.feature_cache, run.out / "features.pt", source)
+    return lambda: (*sample_batch(cache, args.batch_size, run.rng, run.target.dtype, args.device), run.seen_texts)
 
 
 def training_loop(run: TrainingRun, next_batch, vocab_subset: torch.Tensor | None, heldout: HeldOut, curve) -> None:
@@ -481,10 +556,11 @@ def train_step(run: TrainingRun, batch: list[tuple[list[int], int]], tensors, vo
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     drafter.train()
-    loss, correct, counted = block_loss(drafter, run.target, tokens, features, final, [len(ids) for ids, _ in batch],
-                                        drafter.config.block_size, args.anchors, args.decay, run.rng, vocab_subset,
-                                        soft_labels=not args.hard_labels,
-                                        first_anchors=[first for _, first in batch], labels=labels)
+    with autocast(args):
+        loss, correct, counted = block_loss(drafter, run.target, tokens, features, final,
+                                            [len(ids) for ids, _ in batch], drafter.config.block_size, args.anchors,
+                                            args.decay, run.rng, vocab_subset, soft_labels=not args.hard_labels,
+                                            first_anchors=[first for _, first in batch], labels=labels)
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -509,7 +585,7 @@ def _heldout_batch(pipe: Pipeline, seq_len: int, n: int) -> list[list[int]]:
 def measured_acceptance(drafter: DFlashDrafter, target: TargetModel, prompts: list[list[int]], block_size: int,
                         max_new_tokens: int = 48) -> float:
     """Real tau: greedy DFlash decoding of held-out prompts with a frozen copy of the drafter."""
-    frozen = copy.deepcopy(drafter).requires_grad_(False)
+    frozen = copy.deepcopy(drafter).requires_grad_(False).to(target.dtype)  # the engine runs one dtype
     prepare_for_inference(frozen)
     engine = SpeculativeEngine(target, frozen, block_size=block_size, max_batch_size=len(prompts))
     seqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
@@ -523,8 +599,10 @@ def evaluate(run: TrainingRun, heldout: HeldOut) -> dict:
     drafter.eval()
     tokens, features, final = heldout.features
     generator = torch.Generator().manual_seed(1234)  # the same anchors every time: comparable points
-    loss, correct, counted = block_loss(drafter, run.target, tokens, features, final, [len(b) for b in heldout.texts],
-                                        drafter.config.block_size, args.anchors, args.decay, generator)
+    with torch.no_grad(), autocast(args):
+        loss, correct, counted = block_loss(drafter, run.target, tokens, features, final,
+                                            [len(b) for b in heldout.texts], drafter.config.block_size, args.anchors,
+                                            args.decay, generator)
     return {
         "step": run.step,
         "tokens_seen": run.seen_tokens,
@@ -601,9 +679,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
+    p.add_argument("--answer-only", action="store_true",
+                   help="ShareGPT data: blocks start in the reply only (--responses data always trains that way)")
     p.add_argument("--train-vocab", type=int, default=8192,
                    help="softmax over the N most frequent reply tokens plus the batch's labels (0 = whole vocabulary)")
-    p.add_argument("--decay", type=float, default=7.0, help="position weight exp(-(k-1)/decay)")
+    p.add_argument("--decay", type=float, help="position weight exp(-(k-1)/decay) (default: 1 + 3 * block / 8, "
+                   "ModelOpt's recipe: 4 at block 8, 7 at block 16)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
@@ -612,6 +693,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument("--device", default="cpu", help="where the target and the drafter run: cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the frozen target's weights and features, and bf16 autocast of the drafter's forward "
+                   "(its weights, optimizer and loss stay float32); bfloat16 is for GPUs")
     return p
 
 

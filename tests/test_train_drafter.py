@@ -1,6 +1,7 @@
 """The drafter trainer: it learns, it checkpoints and resumes, and what it exports drafts losslessly."""
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -11,7 +12,10 @@ import torch
 from conftest import BLOCK, MASK, PROMPTS, REPO
 from dflash_runtime import SamplingParams, SpeculativeEngine, load_target
 from dflash_runtime.pipeline import load_pipeline
-from dflash_training.train_drafter import CachedSequence, block_loss, main, new_drafter, target_features
+from dflash_tools.prompts import sharegpt_conversations
+from dflash_training import memory
+from dflash_training.train_drafter import (CachedSequence, block_loss, draw_anchors, main, new_drafter, recipe_decay,
+                                           target_features, training_texts)
 
 
 @pytest.mark.parametrize("soft_labels", [False, True], ids=["argmax labels", "distribution labels"])
@@ -145,3 +149,110 @@ def test_builder_scripts_still_run_and_name_the_new_command(script, command):
     assert run.stderr.splitlines()[0] == (f"builder/{script}.py is deprecated: use {command} "
                                           f"(or python -m dflash_training.{script})")
     assert run.stdout.startswith(f"usage: {command} ")
+
+
+# block_loss on a fixed batch, computed at commit 7aa692b (before --device/--dtype) on the Qwen3 fixture target
+# (seed 0, 1 draft layer), first anchors [1, 5, 20]: (soft labels, 43-id softmax) -> (loss, hits, counted).
+LOSS_BEFORE_DEVICE_SUPPORT = {(False, False): (4.872997760772705, 0, 125),
+                              (False, True): (4.261246681213379, 4, 125),
+                              (True, False): (0.024341261014342308, 0, 125),
+                              (True, True): (0.025385351851582527, 4, 125)}
+
+
+@pytest.fixture(scope="module")
+def fixed_batch(tmp_path_factory):
+    """The Qwen3 fixture target, a fresh drafter and three fixed token sequences (no engine involved)."""
+    from conftest import make_target
+
+    target_dir = make_target(tmp_path_factory.mktemp("fixed") / "target", "qwen3")
+    torch.manual_seed(0)
+    target = load_target(target_dir)
+    drafter = new_drafter(target, num_layers=1, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=(1, 3))
+    g = torch.Generator().manual_seed(5)
+    return target_dir, target, drafter, [torch.randint(0, MASK, (n,), generator=g).tolist() for n in (40, 33, 57)]
+
+
+def _fixed_loss(target, drafter, batch, soft_labels: bool, subset: bool):
+    tokens, features, final = target_features(target, batch, (1, 3))
+    ids = torch.arange(0, 128, 3, device="cpu") if subset else None  # the fixed batch's 43-id softmax
+    return block_loss(drafter, target, tokens, features, final, [len(b) for b in batch], BLOCK, 4, 7.0,
+                      torch.Generator().manual_seed(0), ids, soft_labels, first_anchors=[1, 5, 20])
+
+
+@pytest.mark.parametrize("soft_labels, subset", list(LOSS_BEFORE_DEVICE_SUPPORT))
+def test_cpu_loss_on_a_fixed_batch_is_what_it_was_before_device_support(fixed_batch, soft_labels, subset):
+    _, target, drafter, batch = fixed_batch
+    loss, correct, counted = _fixed_loss(target, drafter, batch, soft_labels, subset)
+    expected, hits, count = LOSS_BEFORE_DEVICE_SUPPORT[soft_labels, subset]
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert (correct.sum().item(), counted.sum().item()) == (hits, count)
+
+
+def test_every_tensor_follows_the_inputs_device_and_anchors_come_from_the_host(fixed_batch):
+    """With "meta" as the default device, a tensor created without an explicit device would be a meta tensor and
+    the loss would fail or change: the same loss proves every tensor is made on its inputs' device. The anchors
+    come from the CPU generator whatever the device: the same seed gives the same blocks on a GPU."""
+    _, target, drafter, batch = fixed_batch
+    expected = _fixed_loss(target, drafter, batch, True, True)[0].item()
+    with torch.device("meta"):
+        assert _fixed_loss(target, drafter, batch, True, True)[0].item() == pytest.approx(expected, rel=1e-6)
+        anchors = draw_anchors([1, 5], [40, 33], 4, torch.Generator().manual_seed(0))
+    assert anchors.device.type == "cpu"
+    assert torch.equal(anchors, draw_anchors([1, 5], [40, 33], 4, torch.Generator().manual_seed(0)))
+
+
+def test_bfloat16_target_and_autocast_give_a_float32_loss_close_to_float32(fixed_batch):
+    target_dir, target, drafter, batch = fixed_batch
+    expected = _fixed_loss(target, drafter, batch, False, True)[0].item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _fixed_loss(load_target(target_dir, torch.bfloat16), drafter, batch, False, True)[0]
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(expected, rel=0.02)
+    loss.backward()
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in drafter.parameters())
+    drafter.zero_grad(set_to_none=True)
+
+
+def test_memory_estimate_matches_the_h200_run():
+    """Its one calibration point: SmolLM2-135M fp32, batch 96 x 32 anchors x block 16, 640 tokens, 8,192-id
+    softmax: torch.cuda.max_memory_allocated 22.06 GB (20.5 GiB). The estimate errs on the safe side."""
+    shape = load_pipeline("smollm2-135m", drafter=None).target.config.shape
+    h200 = memory.step_memory(shape, 134_515_008 * 4, memory.StepSizes(96, 640, 32, 16, 2, 5, 8192 + 96 * 32, 4))
+    assert 20.5 <= h200["total"] <= 1.25 * 20.5
+    smaller = memory.step_memory(shape, 134_515_008 * 4, memory.StepSizes(8, 640, 32, 8, 2, 5, 8192, 2))
+    assert smaller["total"] < h200["total"] / 10 and smaller["target weights"] == h200["target weights"]
+    assert "GiB of 3.0 GiB free" in memory.describe(smaller, 3.0)
+
+
+def test_recipe_options_and_a_missing_device(tmp_path, capsys):
+    assert (recipe_decay(8), recipe_decay(16)) == (4.0, 7.0)  # ModelOpt's DFlash recipe
+    if not torch.cuda.is_available():
+        assert main(["--output", str(tmp_path / "run"), "--device", "cuda", "--steps", "1"]) == 2
+        assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
+    pipe = load_pipeline("smollm2-135m", drafter=None)
+    prompt, _ = next(sharegpt_conversations("train"))
+    ids, first = next(training_texts(pipe, 512, 0, None, answer_only=True))  # blocks start in the reply
+    assert first == len(pipe.encode(prompt)) and (ids, 1) == next(training_texts(pipe, 512, 0, None))
+
+
+def test_later_turns_and_a_sampled_second_pass(tmp_path):
+    """--later-turns adds each conversation's later user turns (sent alone); --temperature samples the same
+    prompts again; a rerun answers only prompts not answered yet, per pass."""
+    from dflash_tools.prompts import sharegpt_dialogues
+    from dflash_training import drafter_data
+
+    data = tmp_path / "data"
+    argv = ["--output", str(data), "--max-new-tokens", "4", "--batch-size", "3", "--max-prompt-tokens", "64",
+            "--num-prompts", "3", "--later-turns", "--temperature", "0.8"]
+    assert drafter_data.main(argv) == 0
+    records = drafter_data.read_responses(data)
+    greedy = {(r["index"], r["turn"]) for r in records if r["temperature"] == 0.0}
+    assert len(records) == 6 and greedy == {(r["index"], r["turn"]) for r in records if r["temperature"] == 0.8}
+    pipe = load_pipeline("smollm2-135m", drafter=None)
+    dialogues = list(itertools.islice(sharegpt_dialogues("train"), max(i for i, _ in greedy) + 1))
+    later = [r for r in records if r["turn"] > 0]
+    assert later, "the first train conversations have short later turns"
+    for r in later:
+        assert r["prompt_ids"] == pipe.encode(dialogues[r["index"]][2][r["turn"] - 1])  # alone, as one turn
+    assert drafter_data.main(argv) == 0
+    keys = [drafter_data.response_key(r) for r in drafter_data.read_responses(data)]
+    assert len(keys) == 12 and len(set(keys)) == 12
