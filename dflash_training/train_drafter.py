@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib.util
 import itertools
 import json
 import sys
@@ -627,7 +628,11 @@ def evaluate_and_record(run: TrainingRun, heldout: HeldOut, curve) -> None:
 
 
 def plot_learning_curve(curve_path: Path, png_path: Path) -> None:
-    """tau (measured and estimated) and held-out block-position-1 accuracy against training tokens."""
+    """tau (measured and estimated) and held-out block-position-1 accuracy against training tokens.
+
+    Skipped where matplotlib is not installed (a lent GPU machine): learning_curve.jsonl is the record."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return
     import matplotlib
 
     matplotlib.use("Agg")
