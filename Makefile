@@ -5,7 +5,7 @@ PIP := $(PY) -m pip -q
 PROMPT ?= Explain in three sentences why the sky is blue.
 BUILD ?= builds/smollm2-135m
 
-.PHONY: install demo test soak bench drafter-data train-drafter clean
+.PHONY: install demo test soak bench gpu-check drafter-data train-drafter clean
 
 install: $(VENV)/.installed
 
@@ -43,6 +43,15 @@ soak: install
 
 bench: install
 	$(VENV)/bin/dflash-bench --prompts chat humaneval sharegpt --block-size auto 8 --num-prompts 4 --max-new-tokens 128
+
+# Every check that needs a CUDA GPU, in one run sized for a lent machine (at most ~6 minutes on an H200). It uses
+# that machine's own python3 (torch, transformers, triton, pytest; no venv, no network, no checkpoint): the GPU
+# tests, then step timings on random-weight targets of the embedded shape and of Qwen3-8B's, as one table and as
+# JSON in $$OUT (or here).
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_gpu.py
+	$(GPU_PYTHON) -m dflash_tools.gpu_check --json $${OUT:-.}/gpu_check.json
 
 # The shipped drafter's last stages (models/smollm2-135m-dflash/README.md): the target's own answers,
 # features cached once, block 8. Both resume; run drafter-data for longer to get more data.

@@ -181,9 +181,19 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
+def resolve_device_options(opts: BuildOptions) -> BuildOptions:
+    """Options with device and dtype "auto" made concrete for this machine (a GPU: CUDA and bfloat16), so the
+    manifest, the build key and the model repository name what ran; CUDA asked for but absent is an error."""
+    from dflash_runtime.pipeline import resolve_device, resolve_dtype
+
+    device = resolve_device(opts.device)
+    return replace(opts, device=device, dtype=resolve_dtype(opts.dtype, device))
+
+
 def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
     """Build into `output`; returns the manifest. Reuses an existing identical build unless `force`."""
     started = time.time()
+    opts = resolve_device_options(opts)
     inputs = resolve_inputs(opts)
     output = output.resolve()
     _check_writable(output.parent)
@@ -227,7 +237,7 @@ def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, h
         from builder.quantize import quantize_target
 
         quantization = quantize_target(inputs.target_dir, stage / TARGET_DIR, opts.quant, opts.kv_cache,
-                                       opts.calib_samples)
+                                       opts.calib_samples, device=opts.device)
     if inputs.drafter_dir:
         copy_checkpoint(inputs.drafter_dir, stage / DRAFTER_DIR)
     sanity = sanity_run(stage, inputs, opts) if opts.sanity_tokens else None
@@ -348,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = options_from_args(args)
     output = args.output or Path("builds") / Path(args.target).name
     try:
+        opts = resolve_device_options(opts)
         training = None
         if args.train_drafter is not None:
             if args.drafter != "preset":

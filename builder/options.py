@@ -49,8 +49,8 @@ class BuildOptions:
     max_batch_size: int = 8
     max_context: int | None = None
     max_queue_size: int = 64
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"  # resolved by the build: bfloat16 on CUDA, float32 on a CPU
+    device: str = "auto"  # resolved by the build: CUDA when there is a GPU
     gpu: str | None = None  # trtllm: the serving GPU (h100, b200, ...), checked against the quantization
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -95,8 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (KV-cache slots)")
     parser.add_argument("--max-context", type=int, help="context limit in tokens (default: the preset's, else 2048)")
     parser.add_argument("--max-queue-size", type=int, default=64, help="requests that may wait for a slot")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="torch runtime device (cpu, cuda)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="torch runtime dtype; auto (default): bfloat16 on CUDA, float32 on a CPU")
+    parser.add_argument("--device", default="auto",
+                        help="device of the torch runtime, the quantization's calibration and the sanity run: auto "
+                             "(default: CUDA when torch sees a GPU), cpu, cuda, cuda:N")
     parser.add_argument("--sanity-tokens", type=int, default=32, help="tokens per sanity prompt; 0 skips the run")
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")

@@ -17,6 +17,7 @@ from .checkpoint import load_weights, read_safetensors
 from .config import DrafterConfig, TargetConfig
 from .kv_cache import KVCache
 from .kv_injection import injected_kv, kv_injection
+from .kv_injection.op import CHECK_BOUNDS
 from .layers import MLP, AttentionProjections, RMSNorm, Rotary, prepare_for_inference
 
 
@@ -79,7 +80,8 @@ class DFlashDrafter(nn.Module):
         features: [B, T, len(target_layer_ids) * hidden]; positions: [B, T]. Lengths are not changed:
         the caller commits how many of the T positions are real context with cache.crop.
         """
-        cache.check_positions(positions)
+        if CHECK_BOUNDS:
+            cache.check_positions(positions)
         context = self.context(features).flatten(0, 1)  # [B * T, hidden]
         token_positions = positions.flatten()
         token_slots = slots.repeat_interleave(positions.shape[1])  # contiguous: the kernel reads it with unit stride
@@ -101,15 +103,15 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def forward(self, block_embeddings: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, rows: torch.Tensor | slice, length: int) -> torch.Tensor:
         """Draft one block per sequence from the cached context. block_embeddings: [B, S, hidden];
-        positions: [B, S]. The block's own K/V never enter the cache."""
+        positions: [B, S]; rows: cache.rows of the slots; length: context keys to read, at least the
+        longest context of the batch (the engine knows it on the host). The block's own K/V never
+        enter the cache."""
         context_lengths = cache.lengths[slots]
-        length = int(context_lengths.max())
         in_context = torch.arange(length, device=positions.device)[None, :] < context_lengths[:, None]
         in_block = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         mask = torch.cat([in_context, in_block], dim=1)[:, None, None, :]  # [B, 1, 1, L + S]
-        rows = cache.rows(slots)
         return self.draft(block_embeddings, positions, lambda i: cache.read(i, rows, length), mask)
 
 

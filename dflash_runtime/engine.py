@@ -5,11 +5,17 @@ One step runs one drafter pass and one target pass for the whole batch. The step
 (the newest token + k - 1 drafts) is forced by an integer block size or chosen per step ("auto",
 verify_length.py); k = 1 skips the drafter. Block size 1 (or no drafter) is plain autoregressive
 decoding through the same code, which makes it the fair baseline.
+
+A step leaves the device only once: drafts, the target's choices, the accepted counts and the cache
+lengths are computed there, and one copy brings back the tokens and counts (sampled requests add a
+copy of their logits' choice). On CUDA the passes run over fixed shapes as CUDA graphs (step_graphs.py).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Sequence as Seq
 
 import torch
@@ -18,15 +24,40 @@ from dflash_contract.presets import AUTO_BLOCK_SIZE
 
 from .config import DFlashError
 from .drafter import DFlashDrafter
+from .kv_cache import KVCache
 from .sampling import SamplingParams, choose_tokens
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence
+from .step_graphs import StepGraphs, batch_bucket, length_bucket
 from .target import TargetModel
 from .verify_length import StepCosts, VerifyLengthPolicy, device_signature, doubling
 
 # Deferred context per sequence is written once it reaches this many tokens: features of a large target
 # are tens of KB per token, and "auto" may run hundreds of plain steps between drafts at a large batch.
 MAX_PENDING_CONTEXT = 64
+
+
+class StepClock:
+    """Times between marks of a step: host time on a CPU; on CUDA, events on the device, where the host
+    runs ahead of the work it queues. Read after the step's device-to-host copy, they wait for nothing."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 @dataclass
@@ -44,11 +75,13 @@ class SpeculativeEngine:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, *,
                  block_size: int | str | None = AUTO_BLOCK_SIZE, max_batch_size: int = 8,
                  max_context: int | None = None, decode: Callable[[list[int]], str] | None = None,
-                 step_costs: StepCosts | None = None):
+                 step_costs: StepCosts | None = None, static_shapes: bool | None = None):
         """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
         length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
         to start "auto" from, used if it was made on this device (else the engine profiles itself).
-        decode: token ids -> text, needed only for stop strings."""
+        decode: token ids -> text, needed only for stop strings. static_shapes: run steps over fixed
+        shapes, as CUDA graphs on a GPU (default: on CUDA unless DFLASH_CUDA_GRAPHS=0; on a CPU it
+        only pads, which the tests use to check the graphs' functions)."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
@@ -70,6 +103,12 @@ class SpeculativeEngine:
         self.last_verify_length: int | None = None  # None: the last step verified nothing
         # slot -> (features [F], position) of committed tokens whose drafter context is not written yet
         self.pending_context: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        on_cuda = self.device.type == "cuda"
+        if static_shapes is None:
+            static_shapes = on_cuda and os.environ.get("DFLASH_CUDA_GRAPHS", "1") != "0"
+        self.static_shapes = static_shapes
+        self.graphs = StepGraphs(capture=static_shapes and on_cuda)
+        self.offsets = torch.arange(block_size, device=self.device)  # positions within a block
         self.policy = None
         if adaptive and self.drafter is not None:
             if step_costs is None or step_costs.device != device_signature(self.device):
@@ -158,12 +197,13 @@ class SpeculativeEngine:
         """The prompt's pass through the target; returns the first output token (as a list)."""
         n = len(seq.prompt_ids)
         self.pending_context.pop(seq.slot, None)  # a finished sequence's, in the slot this one takes
-        slots = self._tensor([seq.slot])
-        tokens = self._tensor([seq.prompt_ids])
+        slots = self._to_device([seq.slot])
+        tokens = self._to_device([seq.prompt_ids])
         positions = torch.arange(n, device=self.device)[None]
         t0 = time.perf_counter()
-        logits, features = self.target(tokens, positions, self.target_cache, slots, self.feature_layers, last_only=True)
-        self._keep_context(features, positions, slots, self._tensor([n]))
+        logits, features = self.target(tokens, positions, self.target_cache, slots, self.feature_layers,
+                                       last_only=True, rows=slice(seq.slot, seq.slot + 1), length=n)
+        self._keep_context(features, positions, slots, self._to_device([n]))
         seconds = time.perf_counter() - t0
         seq.stats.verify_seconds += seconds
         self.last_step_seconds["prefill"] += seconds
@@ -173,58 +213,94 @@ class SpeculativeEngine:
         """One draft pass and one verify pass of length k for the whole batch; returns per sequence its
         accepted drafts plus the target's token after them (the bonus), before any stop condition, and
         how many drafts were accepted."""
-        slots = self._tensor([s.slot for s in batch])
-        starts = self._tensor([s.last_position for s in batch])
-        positions = starts[:, None] + torch.arange(self.block_size, device=self.device)  # [B, S]
-        t0 = time.perf_counter()
+        row_slots, row_of = self._rows(batch)
+        newest = dict(zip(row_of, ([s.output_ids[-1], s.last_position] for s in batch)))
+        inputs = self._to_device([newest.get(r, [0, 0]) for r in range(len(row_slots))])  # padding rows: 0, 0
+        tokens, starts = inputs[:, :1], inputs[:, 1]
+        slots = self._to_device(row_slots)
+        rows = KVCache.rows(row_slots, slots)
+        context = max(s.last_position for s in batch)  # the longest committed context, in tokens
+        clock = StepClock(self.device)
+        block = tokens  # [R, k]: each row's newest token, then k - 1 drafts
         if k > 1:
             self._write_pending_context(batch)
-        block = self._draft(batch, positions, slots, k)  # [B, k]
-        t1 = time.perf_counter()
-        positions = positions[:, :k]
-        logits, features = self.target(block, positions, self.target_cache, slots, self.feature_layers)
-        chosen = [choose_tokens(logits[i], s.params, s.last_position + 1) for i, s in enumerate(batch)]
-        accepted = [_matching_prefix(draft, tokens) for draft, tokens in zip(block[:, 1:].tolist(), chosen)]
+            length = self._length(context)
+            draft = partial(self._draft_pass, rows=rows, length=length, k=k)
+            block = self.graphs.run(("draft", len(row_slots), k, length), draft, tokens, starts, slots).clone()
+        clock.mark()
+        length = self._length(context + k)
+        verify = partial(self._verify_pass, rows=rows, length=length)
+        logits, features = self.graphs.run(("verify", len(row_slots), k, length), verify, block, starts, slots)
+        chosen = self._choose(logits, batch, row_of)
+        accepted = (block[:, 1:] == chosen[:, :-1]).cumprod(dim=1).sum(dim=1)
         # block[0..a] are now committed context; the bonus token's K/V comes with the next block
-        self._keep_context(features, positions, slots, starts + self._tensor(accepted) + 1,
-                           deferred=batch if k == 1 else None)
-        t2 = time.perf_counter()
-        self.last_step_seconds["draft"] = t1 - t0
-        self.last_step_seconds["verify"] = t2 - t1
+        self._keep_context(features, starts[:, None] + self.offsets[:k], slots, starts + accepted + 1,
+                           deferred=list(zip(batch, row_of)) if k == 1 else None)
+        clock.mark()
+        result = torch.cat([chosen, accepted[:, None]], dim=1).tolist()  # the step's device-to-host copy
+        draft_seconds, verify_seconds = clock.intervals()
+        self.last_step_seconds["draft"] = draft_seconds
+        self.last_step_seconds["verify"] = verify_seconds
         for seq in batch:
-            seq.stats.draft_seconds += t1 - t0
-            seq.stats.verify_seconds += t2 - t1
-        return [(tokens[:a + 1], a) for tokens, a in zip(chosen, accepted)]
+            seq.stats.draft_seconds += draft_seconds
+            seq.stats.verify_seconds += verify_seconds
+        return [(result[r][:result[r][-1] + 1], result[r][-1]) for r in row_of]
 
-    def _draft(self, batch: list[Sequence], positions: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
-        """The k tokens to verify: each sequence's newest token, then the drafter's first k - 1 guesses.
+    def _rows(self, batch: list[Sequence]) -> tuple[list[int], list[int]]:
+        """The cache slots a step runs over, row by row, and the row of each sequence of the batch:
+        the batch's own slots, or with static shapes slots 0..R-1 (free ones pad, see step_graphs)."""
+        slots = [s.slot for s in batch]
+        if not self.static_shapes:
+            return slots, list(range(len(batch)))
+        return list(range(batch_bucket(max(slots) + 1, self.scheduler.num_slots))), slots
+
+    def _length(self, keys: int) -> int:
+        return length_bucket(keys, self.target_cache.capacity) if self.static_shapes else keys
+
+    def _draft_pass(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, *,
+                    rows: torch.Tensor | slice, length: int, k: int) -> torch.Tensor:
+        """The k tokens to verify per row: the newest token, then the drafter's first k - 1 guesses.
 
         The drafter always sees its whole block (its attention within the block is bidirectional, as
         trained); only the guesses to verify go through the LM head, the costly part on a large vocab."""
-        block = self._tensor([[s.output_ids[-1]] for s in batch])  # [B, 1]
-        if k > 1:
-            masks = torch.full((len(batch), self.block_size - 1), self.drafter.config.mask_token_id, device=self.device)
-            embeddings = self.target.embed(torch.cat([block, masks], dim=1))
-            hidden = self.drafter(embeddings, positions, self.draft_cache, slots)
-            block = torch.cat([block, self.target.lm_head(hidden[:, 1:k]).argmax(-1)], dim=1)
-        return block
+        masks = torch.full((len(tokens), self.block_size - 1), self.drafter.config.mask_token_id, device=self.device)
+        embeddings = self.target.embed(torch.cat([tokens, masks], dim=1))
+        positions = starts[:, None] + self.offsets
+        hidden = self.drafter(embeddings, positions, self.draft_cache, slots, rows, length)
+        return torch.cat([tokens, self.target.lm_head(hidden[:, 1:k]).argmax(-1)], dim=1)
+
+    def _verify_pass(self, block: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, *,
+                     rows: torch.Tensor | slice, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over each row's block: logits [R, k, V] and the drafter's features of the block."""
+        positions = starts[:, None] + self.offsets[:block.shape[1]]
+        return self.target(block, positions, self.target_cache, slots, self.feature_layers, rows=rows, length=length)
+
+    def _choose(self, logits: torch.Tensor, batch: list[Sequence], row_of: list[int]) -> torch.Tensor:
+        """The target's token at each block position, [R, k] on the device: the argmax for greedy rows,
+        a sample (drawn on the host from the request's seed) for the others."""
+        chosen = logits.argmax(-1)
+        for seq, row in zip(batch, row_of):
+            if not seq.params.greedy:
+                chosen[row] = self._to_device(choose_tokens(logits[row], seq.params, seq.last_position + 1))
+        return chosen
 
     def _keep_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      lengths: torch.Tensor, deferred: list[Sequence] | None = None) -> None:
+                      lengths: torch.Tensor, deferred: list[tuple[Sequence, int]] | None = None) -> None:
         """Commit `lengths` tokens per slot; the drafter conditions on the target's features of the same tokens.
 
-        deferred: a step without drafts (one token per sequence) keeps its features for the next step
-        that drafts, which writes them all in one pass: under "auto" many plain steps may run in a row."""
+        deferred: a step without drafts (one token per sequence; (sequence, row) pairs) keeps its features
+        for the next step that drafts, which writes them all in one pass: under "auto" many plain steps
+        may run in a row. They are copies: a CUDA graph's outputs are overwritten by the next pass."""
         self.target_cache.crop(slots, lengths)
         if self.drafter is None:
             return
         if deferred is None:
             self.drafter.inject_context(features, positions, self.draft_cache, slots)
         else:
-            for i, seq in enumerate(deferred):
-                self.pending_context.setdefault(seq.slot, []).append((features[i, 0], positions[i, 0]))
-            if max(len(self.pending_context[seq.slot]) for seq in deferred) >= MAX_PENDING_CONTEXT:
-                self._write_pending_context(deferred)
+            for seq, row in deferred:
+                self.pending_context.setdefault(seq.slot, []).append((features[row, 0].clone(), positions[row, 0]))
+            if max(len(self.pending_context[seq.slot]) for seq, _ in deferred) >= MAX_PENDING_CONTEXT:
+                self._write_pending_context([seq for seq, _ in deferred])
         self.draft_cache.crop(slots, lengths)
 
     def _write_pending_context(self, batch: list[Sequence]) -> None:
@@ -237,7 +313,7 @@ class SpeculativeEngine:
         padded = [entries + entries[-1:] * (width - len(entries)) for _, entries in rows]
         features = torch.stack([torch.stack([f for f, _ in entries]) for entries in padded])
         positions = torch.stack([torch.stack([p for _, p in entries]) for entries in padded])
-        self.drafter.inject_context(features, positions, self.draft_cache, self._tensor([slot for slot, _ in rows]))
+        self.drafter.inject_context(features, positions, self.draft_cache, self._to_device([slot for slot, _ in rows]))
 
     def _profile_step_costs(self) -> StepCosts:
         """Seconds of a step at each verify length for batch sizes 1, 2, 4, ... max_batch_size, timed on
@@ -264,8 +340,13 @@ class SpeculativeEngine:
             seconds.append(self.last_step_seconds["draft"] + self.last_step_seconds["verify"])
         return min(seconds[1:])
 
-    def _tensor(self, data) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.long, device=self.device)
+    def _to_device(self, data) -> torch.Tensor:
+        """A long tensor of host data on the engine's device; on CUDA through pinned memory, so the
+        copy does not wait for the work queued before it."""
+        tensor = torch.tensor(data, dtype=torch.long)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     # -- postprocessing -----------------------------------------------------------------------
     def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
@@ -287,14 +368,6 @@ class SpeculativeEngine:
         window = max(map(len, seq.params.stop_strings)) + 8
         tail = self.decode(seq.output_ids[-window:])
         return any(stop in tail for stop in seq.params.stop_strings)
-
-
-def _matching_prefix(draft: list[int], target_tokens: list[int]) -> int:
-    """How many drafts match the target's own choices: the longest matching prefix."""
-    a = 0
-    while a < len(draft) and draft[a] == target_tokens[a]:
-        a += 1
-    return a
 
 
 def _check_sizes(drafter: DFlashDrafter | None, block_size: int, max_batch_size: int) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_injection.op import CHECK_BOUNDS
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, capacity: int,
@@ -20,21 +22,25 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [B]; positions: [B, T]; k, v: [B, T, KV, D]
-        self.check_positions(positions)
+        if CHECK_BOUNDS:
+            self.check_positions(positions)
         self.k[layer][slots[:, None], :, positions] = k
         self.v[layer][slots[:, None], :, positions] = v
 
     def check_positions(self, positions: torch.Tensor) -> None:
+        """A device-to-host copy: only with DFLASH_CHECK_BOUNDS=1 (the engine keeps positions in bounds
+        by construction, and a step must not wait for the device per layer)."""
         if int(positions.max()) >= self.capacity:
             raise IndexError(f"KV cache write at position {int(positions.max())} beyond capacity {self.capacity}")
 
-    def rows(self, slots: torch.Tensor) -> torch.Tensor | slice:
-        """What read() takes for `slots`: a slice when they are one increasing run (one sequence, or
-        a full batch in slot order), else the slots themselves. Called once per forward."""
-        first, n = int(slots[0]), len(slots)
-        if n == 1 or torch.equal(slots, torch.arange(first, first + n, device=slots.device)):
+    @staticmethod
+    def rows(slots: list[int], slot_tensor: torch.Tensor) -> torch.Tensor | slice:
+        """What read() takes for `slots`, decided on the host: a slice when they are one increasing
+        run (one sequence, or a batch in slot order), else `slot_tensor`, the same slots on the device."""
+        first, n = slots[0], len(slots)
+        if slots == list(range(first, first + n)):
             return slice(first, first + n)
-        return slots
+        return slot_tensor
 
     def read(self, layer: int, rows: torch.Tensor | slice, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         # -> k, v: [B, KV, length, D]. A slice of rows is a view; other rows are gathered, a copy of

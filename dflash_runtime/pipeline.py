@@ -17,6 +17,26 @@ from .verify_length import StepCosts
 from .text import decode, encode_prompt, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO = "auto"  # device: CUDA when there is one; dtype: bfloat16 on CUDA, float32 on a CPU
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" where torch sees a GPU, else "cpu"; a CUDA device asked for must exist."""
+    if device == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DFlashError(f"device {device!r}: torch {torch.__version__} sees no CUDA GPU here "
+                          f"(CUDA build: {torch.version.cuda or 'no'}); use --device cpu")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto" -> bfloat16 on CUDA (what GPUs serve and calibrate in), float32 on a CPU (no fast bf16 GEMV)."""
+    if dtype == AUTO:
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in DTYPES:
+        raise DFlashError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)}, {AUTO})")
+    return dtype
 
 
 @dataclass
@@ -47,9 +67,10 @@ class Pipeline:
 
 def load_pipeline(target: str, drafter: str | None = "preset", dtype: str = "float32",
                   device: str = "cpu") -> Pipeline:
-    """drafter: "preset" takes the preset's drafter (none for a plain directory), None runs without one."""
-    if dtype not in DTYPES:
-        raise DFlashError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    """drafter: "preset" takes the preset's drafter (none for a plain directory), None runs without one.
+    device and dtype may be "auto" (resolve_device, resolve_dtype)."""
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     target_dir, preset = resolve_target(target)
     model = load_target(target_dir, DTYPES[dtype], device)
     if drafter == "preset":

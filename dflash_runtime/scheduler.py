@@ -5,6 +5,7 @@ touches a model or a cache (nano-vllm's split between scheduler and engine).
 """
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
@@ -33,7 +34,7 @@ class Scheduler:
         self.tokens_per_slot = tokens_per_slot
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.free_slots = list(range(num_slots))
+        self.free_slots = list(range(num_slots))  # a heap: the lowest free slot goes first
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -42,10 +43,12 @@ class Scheduler:
         """Move waiting sequences into free slots, oldest first, yielding each as it starts running.
 
         A generator, so that the caller prefills each before the next is admitted: a sequence that
-        finishes in its prefill hands its slot to the next in line within the same step."""
+        finishes in its prefill hands its slot to the next in line within the same step. The lowest
+        free slot is taken, which keeps a batch in few leading slots: the CUDA-graph path runs the
+        rows up to the highest slot in use."""
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
+            seq.slot = heapq.heappop(self.free_slots)
             seq.status = Status.RUNNING
             self.running.append(seq)
             yield seq
@@ -60,7 +63,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self.free_slots.append(seq.slot)
+            heapq.heappush(self.free_slots, seq.slot)
             seq.slot = None
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -66,19 +66,27 @@ class TargetModel(nn.Module):
         return self.model.embed_tokens(tokens)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-                feature_layers: tuple[int, ...] = (), last_only: bool = False, apply_head: bool = True):
+                feature_layers: tuple[int, ...] = (), last_only: bool = False, apply_head: bool = True,
+                rows: torch.Tensor | slice | None = None, length: int | None = None):
         """Run new tokens of several sequences at once, writing their K/V into the cache.
 
         tokens, positions: [B, T] (positions are absolute; each row may start at a different length)
         returns logits [B, T or 1, V] and, if feature_layers, features [B, T, len(feature_layers) * hidden]
         (the output of each listed layer, i.e. HF hidden_states[layer + 1], concatenated).
         With apply_head=False the final-normed hidden states come back instead of logits.
+        rows (cache.rows of the slots) and length (keys to attend to: more than the highest position)
+        are the engine's, known on the host; without them they are read from the tensors, which waits
+        for the device.
         """
+        if rows is None:
+            rows = cache.rows(slots.tolist(), slots)
+        if length is None:
+            length = int(positions.max()) + 1
         h = self.embed(tokens)
         cos, sin = self.rotary(positions, h.dtype)
-        key_positions = torch.arange(int(positions.max()) + 1, device=positions.device)
+        key_positions = torch.arange(length, device=positions.device)
         mask = (key_positions[None, None, None, :] <= positions[:, None, :, None])  # [B, 1, T, L]: causal, ragged
-        selected, rows = {}, cache.rows(slots)
+        selected = {}
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, cache, i, slots, rows, positions, mask)
             if i in feature_layers:

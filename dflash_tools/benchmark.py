@@ -63,7 +63,7 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
         outputs = []
         if hf is not None:
             outputs.append(modes["hf_generate"].timed(lambda: hf.generate(
-                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                torch.tensor([ids], device=hf.device), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                 pad_token_id=eos[0])[0, len(ids):].tolist()))
         outputs.append(modes["autoregressive"].timed(lambda: autoregressive.generate([ids], params)[0].output_ids))
         taus = []
@@ -104,14 +104,15 @@ def run(args) -> dict:
 
     sizes = list(dict.fromkeys(args.block_size))
     torch.manual_seed(0)
-    pipe = load_pipeline(args.target, args.drafter)
+    pipe = load_pipeline(args.target, args.drafter, args.dtype, args.device)
     if pipe.drafter is None:
         raise DFlashError("the benchmark compares against DFlash: the target needs a drafter (--drafter DIR)")
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(pipe.target_dir, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(pipe.target_dir, dtype=pipe.target.dtype).eval()
+        hf = hf.to(pipe.target.device)
     autoregressive = pipe.engine(block_size=1, max_batch_size=1)
     dflash = {str(b): pipe.engine(block_size=b, max_batch_size=1) for b in sizes}
     sets = {name: [pipe.encode(p) for p in prompt_set(name, args.num_prompts)] for name in args.prompts}
@@ -172,6 +173,9 @@ def main(argv=None) -> int:
                         help=f"one or more: {AUTO_BLOCK_SIZE!r} (each step picks its verify length; the default) or "
                              "a fixed block size; each runs as a mode of its own, beside the others")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto (default): bfloat16 on CUDA, float32 on a CPU")
+    parser.add_argument("--device", default="auto", help="auto (default: CUDA when there is a GPU), cpu, cuda")
     parser.add_argument("--json", help="also write the summary to this file")
     parser.add_argument("--plot", help="write a PNG: acceptance by position, tau by prompt set")
     args = parser.parse_args(argv)

@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "text keeps that token (as the server does)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     parser.add_argument("--max-context", type=int, help="context limit in tokens (default: the preset's, else 2048)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto (default): bfloat16 on CUDA, float32 on a CPU")
+    parser.add_argument("--device", default="auto", help="auto (default: CUDA when there is a GPU), cpu, cuda, cuda:N")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
 

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,7 @@ def test_trtllm_build_writes_llm_api_artifacts(tiny, tmp_path):
     (["--tensor-parallel-size", "2"], "needs --runtime trtllm"),
     (["--kv-cache", "fp8"], "needs --quant"),
     (["--block-size", "32"], "larger than the drafter supports"),
+    (["--device", "cuda"], "sees no CUDA GPU here"),
 ])
 def test_bad_options_fail_before_any_work(argv, message, tmp_path, capsys):
     assert main([*argv, "--output", str(tmp_path / "out")]) == 2
@@ -112,7 +114,27 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert main(["--quant", "fp8", "--dry-run", "--output", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "quantize the target with ModelOpt: fp8" in out and "sanity run" in out
+    assert "float32 on cpu" in out  # device and dtype auto, on a machine without a GPU
     assert not (tmp_path / "out").exists()
+
+
+def test_device_and_dtype_auto_pick_cuda_and_bfloat16_where_there_is_a_gpu(monkeypatch):
+    """What a GPU machine would use for calibration, the sanity run and serving (no GPU needed to check)."""
+    import torch
+
+    from builder.build import resolve_device_options
+    from builder.quantize import QuantizeOptions
+
+    opts = BuildOptions(target="smollm2-135m", drafter="preset")
+    assert (opts.device, opts.dtype) == ("auto", "auto")
+    here = resolve_device_options(opts)
+    assert (here.device, here.dtype) == ("cpu", "float32")
+    assert resolve_device_options(replace(opts, dtype="bfloat16")).dtype == "bfloat16"  # an explicit choice stays
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = resolve_device_options(opts)
+    assert (gpu.device, gpu.dtype) == ("cuda", "bfloat16")
+    assert QuantizeOptions("fp8", device=gpu.device).model_dtype == torch.bfloat16  # calibration in bf16
+    assert QuantizeOptions("fp8", device=here.device).model_dtype == torch.float32
 
 
 def test_build_can_train_its_drafter_first(tmp_path, monkeypatch, capsys):

@@ -85,7 +85,7 @@ def test_rope_base_is_read_from_either_transformers_spelling():
         read_rope({"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "x")
 
 
-def test_kv_cache_write_crop_and_ragged_reads():
+def test_kv_cache_write_crop_and_ragged_reads(monkeypatch):
     cache = KVCache(num_layers=1, num_slots=3, num_kv_heads=2, head_dim=4, capacity=8, dtype=torch.float32)
     slots = torch.tensor([2, 0])
     positions = torch.tensor([[0, 1, 2], [0, 1, 2]])
@@ -93,13 +93,15 @@ def test_kv_cache_write_crop_and_ragged_reads():
     cache.write(0, slots, positions, kv, -kv)
     cache.crop(slots, torch.tensor([3, 1]))  # slot 0 rolls back two rejected tokens
     assert cache.lengths.tolist() == [1, 0, 3]
-    k, v = cache.read(0, cache.rows(torch.tensor([0, 2])), 3)
+    k, v = cache.read(0, KVCache.rows([0, 2], torch.tensor([0, 2])), 3)
     assert k.shape == (2, 2, 3, 4)
     assert torch.equal(k[1].transpose(0, 1), kv[0]) and torch.equal(v[0, :, 0], -kv[1, 0])
     # slots in one increasing run are read as a view of the cache, the same values as a gather
-    assert cache.rows(torch.tensor([1, 2])) == slice(1, 3) and cache.rows(torch.tensor([2])) == slice(2, 3)
+    assert KVCache.rows([1, 2], slots) == slice(1, 3) and KVCache.rows([2], slots) == slice(2, 3)
     for a, b in zip(cache.read(0, slice(1, 3), 3), cache.read(0, torch.tensor([1, 2]), 3)):
         assert a._base is not None and torch.equal(a, b)
+    # positions are checked with DFLASH_CHECK_BOUNDS=1 (a device-to-host copy per layer otherwise)
+    monkeypatch.setattr("dflash_runtime.kv_cache.CHECK_BOUNDS", True)
     with pytest.raises(IndexError, match="beyond capacity"):
         cache.write(0, slots, torch.tensor([[8], [0]]), kv[:, :1], kv[:, :1])
 

@@ -154,14 +154,14 @@ def test_scheduler_admits_into_free_slots_and_frees_them():
         if seq is first:
             scheduler.finish(seq, "length")
     assert admitted == [first, second, third] and first.slot is None and first.finish_reason == "length"
-    assert scheduler.batch() == [third, second]  # slot order: second reused first's slot 1, third got slot 0
+    assert scheduler.batch() == [second, third]  # the lowest free slot first: second reused first's slot 0
     assert scheduler.occupancy() == Occupancy(running=2, waiting=0, free_slots=0, committed_tokens=6, token_capacity=20)
     assert scheduler.occupancy().kv_cache_utilization == 0.3
     waiting = Sequence([4], SamplingParams())
     scheduler.add(waiting)
     scheduler.finish(waiting, "cancelled")
     scheduler.finish(second, "cancelled")
-    assert waiting.status is second.status is Status.FINISHED and scheduler.free_slots == [1]
+    assert waiting.status is second.status is Status.FINISHED and scheduler.free_slots == [0]
     assert scheduler.has_unfinished() and scheduler.occupancy().waiting == 0
     scheduler.finish(third, "stop")
     assert not scheduler.has_unfinished() and sorted(scheduler.free_slots) == [0, 1]

@@ -8,6 +8,7 @@ from conftest import BLOCK, PROMPTS
 from dflash_runtime import SamplingParams, SpeculativeEngine, load_drafter, load_target
 from dflash_runtime.config import RopeConfig
 from dflash_runtime.kv_injection import kv_injection_reference
+from dflash_runtime.kv_injection.op import KERNEL_IS_FASTER
 from test_kv_injection import SHAPES, new_cache, ragged_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -32,12 +33,41 @@ def test_triton_kernel_on_the_gpu_matches_the_reference(shape, dtype, tolerance)
         assert ((ours.cpu().float() - ref.float()).abs().max() / ref.float().abs().max()).item() <= tolerance
 
 
-def test_engine_on_cuda_is_lossless(tiny):
-    """DFlash on the GPU (KV injection through the Triton kernel) = autoregressive decoding on the GPU."""
-    target = load_target(tiny[0], device="cuda")
-    drafter = load_drafter(tiny[1], target.config, device="cuda")
-    params = SamplingParams(max_new_tokens=32)
-    dflash = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=4).generate(PROMPTS, params)
-    plain = SpeculativeEngine(target, block_size=1, max_batch_size=4).generate(PROMPTS, params)
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_on_cuda_is_lossless(tiny, batch_size, dtype):
+    """DFlash on the GPU (CUDA graphs, KV injection through the Triton kernel) = autoregressive decoding on
+    the GPU, greedy and sampled requests side by side; the graphs were really captured."""
+    from test_verify_length import mixed_requests
+
+    target = load_target(tiny[0], dtype, device="cuda")
+    drafter = load_drafter(tiny[1], target.config, dtype, device="cuda")
+    params = mixed_requests()
+    engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=batch_size)
+    dflash = engine.generate(PROMPTS, params)
+    plain = SpeculativeEngine(target, block_size=1, max_batch_size=batch_size).generate(PROMPTS, params)
     assert [s.output_ids for s in dflash] == [s.output_ids for s in plain]
     assert max(a for s in dflash for a in s.stats.acceptance_lengths) > 1
+    assert engine.static_shapes and engine.graphs.capture and engine.graphs.graphs
+    assert KERNEL_IS_FASTER  # the op timed the kernel against the reference for the shapes it saw
+
+
+def test_cuda_graphs_equal_eager_steps_and_auto(tiny):
+    """The same requests through captured graphs, eager compact steps and block size auto: one output."""
+    from test_verify_length import mixed_requests
+
+    target = load_target(tiny[0], device="cuda")
+    drafter = load_drafter(tiny[1], target.config, device="cuda")
+    runs = [SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=3, static_shapes=False),
+            SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=3),
+            SpeculativeEngine(target, drafter, max_batch_size=3)]
+    outputs = [[s.output_ids for s in engine.generate(PROMPTS * 2, mixed_requests() * 2)] for engine in runs]
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert not runs[0].graphs.graphs and runs[1].graphs.graphs
+
+
+def test_gpu_check_runs_on_the_embedded_shape():
+    """make gpu-check's timing tool end to end at batch 1 (the table's figures are its output, not asserted)."""
+    from dflash_tools import gpu_check
+
+    assert gpu_check.main(["--shapes", "smollm2-135m", "--batch-sizes", "1", "--steps", "3"]) == 0

@@ -1,0 +1,207 @@
+"""Step timings of the engine on random-weight targets: what `make gpu-check` prints on a GPU machine.
+
+    python3 -m dflash_tools.gpu_check [--shapes smollm2-135m qwen3-8b] [--batch-sizes 1 32] [--json FILE]
+
+For each target shape (bfloat16 on CUDA; random weights and a random DFlash drafter of the matching
+shape: a step's time does not depend on the weights) and batch size, side by side in one process:
+transformers `generate` per token, this engine's autoregressive step, and its draft + verify step at
+block 8 and 16 (CUDA graphs on, as served). Printed as one table, with the bandwidth floor of an
+autoregressive step (weight bytes / measured device copy bandwidth), verify/AR, draft/verify and the
+tokens/s a step time gives at acceptance lengths tau = 1, 3, 6. It needs no checkpoint, no network and
+no package beyond torch and transformers, so it runs on a bare lent machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_runtime.config import DrafterConfig, TargetConfig
+from dflash_runtime.drafter import DFlashDrafter
+from dflash_runtime.engine import SpeculativeEngine
+from dflash_runtime.layers import prepare_for_inference
+from dflash_runtime.sampling import SamplingParams
+from dflash_runtime.target import TargetModel
+
+# HF config fields of each target shape, and its drafter's (layers, target_layer_ids): z-lab's for Qwen3-8B
+SHAPES = {
+    "tiny": ({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+              "tie_word_embeddings": True}, (1, [1, 3])),
+    "smollm2-135m": ({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                      "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+                      "rope_theta": 100000.0, "tie_word_embeddings": True}, (2, [1, 8, 15, 22, 29])),
+    "qwen3-8b": ({"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                  "rope_theta": 1000000.0, "tie_word_embeddings": False}, (5, [1, 9, 17, 25, 33])),
+}
+COMMON = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096, "attention_bias": False,
+          "eos_token_id": 0, "hidden_act": "silu"}
+BLOCKS = (8, 16)
+PROMPT_TOKENS = 64
+MAX_CONTEXT = 1024  # room for the timed steps even if random drafts were accepted
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_models(name: str, device: torch.device, dtype: torch.dtype, folder: Path):
+    """transformers' model of the shape with random weights, and our target and drafter on the same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields, (draft_layers, layer_ids) = SHAPES[name]
+    config = {**COMMON, **fields}
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype).eval()
+    with torch.device("meta"):
+        target = TargetModel(TargetConfig.from_dir(folder))
+    state = dict(hf.state_dict())
+    target.load_state_dict({k: state[k] for k in target.state_dict()}, assign=True)
+    if target.config.tie_word_embeddings:
+        target.lm_head.weight = target.model.embed_tokens.weight
+    drafter_config = {**config, "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                      "num_hidden_layers": draft_layers, "num_target_layers": config["num_hidden_layers"],
+                      "block_size": max(BLOCKS), "dflash_config": {"mask_token_id": 1, "target_layer_ids": layer_ids}}
+    (folder / "drafter").mkdir()
+    (folder / "drafter" / "config.json").write_text(json.dumps(drafter_config))
+    with torch.device("meta"):
+        drafter = DFlashDrafter(DrafterConfig.from_dir(folder / "drafter"))
+    drafter = drafter.to_empty(device=device).to(dtype)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+    prepare_for_inference(target)
+    prepare_for_inference(drafter)
+    return hf, target.eval(), drafter.eval()
+
+
+def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), the best of a few."""
+    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() / best
+
+
+def hf_seconds_per_token(hf, batch: int, new_tokens: int) -> float:
+    prompts = torch.randint(2, hf.config.vocab_size, (batch, PROMPT_TOKENS), device=hf.device)
+    for tokens in (2, new_tokens):  # the first call warms up
+        sync(hf.device)
+        start = time.perf_counter()
+        hf.generate(prompts, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        sync(hf.device)
+    return (time.perf_counter() - start) / new_tokens
+
+
+def step_seconds(engine: SpeculativeEngine, batch: int, steps: int) -> tuple[float, float, float]:
+    """Median seconds of one engine step over a full batch (draft, verify, whole step)."""
+    vocab = engine.target.config.shape.vocab_size
+    params = SamplingParams(max_new_tokens=10 ** 6, ignore_eos=True)
+    generator = torch.Generator().manual_seed(0)
+    seqs = [engine.add_request(torch.randint(2, vocab, (PROMPT_TOKENS,), generator=generator).tolist(), params)
+            for _ in range(batch)]
+    engine.step()  # the prefills
+    draft, verify, whole = [], [], []
+    for _ in range(steps + 3):  # the first steps capture their graphs
+        sync(engine.device)
+        start = time.perf_counter()
+        engine.step()
+        whole.append(time.perf_counter() - start)
+        draft.append(engine.last_step_seconds["draft"])
+        verify.append(engine.last_step_seconds["verify"])
+    for seq in seqs:
+        engine.cancel(seq)
+    return tuple(sorted(values[3:])[steps // 2] for values in (draft, verify, whole))
+
+
+def measure_shape(name: str, batch: int, steps: int, bandwidth: float, models) -> dict:
+    hf, target, drafter = models
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    hf_s = hf_seconds_per_token(hf, batch, steps)
+    ar = SpeculativeEngine(target, block_size=1, max_batch_size=batch, max_context=MAX_CONTEXT)
+    _, _, ar_s = step_seconds(ar, batch, steps)
+    del ar
+    row = {"shape": name, "batch": batch, "weight_GB": round(weight_bytes / 1e9, 3),
+           "hf_generate_ms_per_token": round(hf_s * 1e3, 3), "ar_step_ms": round(ar_s * 1e3, 3),
+           "bandwidth_floor_ms": round(weight_bytes / bandwidth * 1e3, 3),
+           "ar_tokens_per_second": round(batch / ar_s, 1), "ar_vs_hf_generate": round(hf_s / ar_s, 2)}
+    row["ar_vs_floor"] = round(row["ar_step_ms"] / row["bandwidth_floor_ms"], 2)
+    for block in BLOCKS:
+        engine = SpeculativeEngine(target, drafter, block_size=block, max_batch_size=batch, max_context=MAX_CONTEXT)
+        draft_s, verify_s, step_s = step_seconds(engine, batch, steps)
+        del engine
+        row[f"block{block}"] = {"step_ms": round(step_s * 1e3, 3), "draft_ms": round(draft_s * 1e3, 3),
+                                "verify_ms": round(verify_s * 1e3, 3), "verify_vs_ar": round(verify_s / ar_s, 2),
+                                "draft_vs_verify": round(draft_s / verify_s, 3),
+                                "tokens_per_second": {tau: round(batch * tau / step_s, 1) for tau in (1, 3, 6)}}
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'shape':13s} {'B':>3s} {'hf ms/tok':>9s} {'AR ms':>7s} {'floor':>6s} {'AR/fl':>5s} {'AR/hf':>6s} "
+            + " ".join(f"{f'v{b}/AR':>6s} {f'd/v{b}':>6s} {f'tok/s@tau1,3,6 (b{b})':>24s}" for b in BLOCKS))
+    lines = [head]
+    for r in rows:
+        cells = [f"{r['shape']:13s} {r['batch']:3d} {r['hf_generate_ms_per_token']:9.2f} {r['ar_step_ms']:7.2f} "
+                 f"{r['bandwidth_floor_ms']:6.2f} {r['ar_vs_floor']:5.2f} {r['ar_vs_hf_generate']:6.1f}"]
+        for b in BLOCKS:
+            s = r[f"block{b}"]
+            rates = "/".join(f"{v:.0f}" for v in s["tokens_per_second"].values())
+            cells.append(f"{s['verify_vs_ar']:6.2f} {s['draft_vs_verify']:6.3f} {rates:>24s}")
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "qwen3-8b"], choices=list(SHAPES))
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (the median counts)")
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu runs the same code, slowly")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: error: torch sees no CUDA GPU here", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth(device)
+    print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s", file=sys.stderr)
+    rows = []
+    with torch.inference_mode():
+        for name in args.shapes:
+            with tempfile.TemporaryDirectory() as folder:
+                models = random_models(name, device, dtype, Path(folder))
+                for batch in args.batch_sizes:
+                    rows.append(measure_shape(name, batch, args.steps, bandwidth, models))
+                    print(f"{name} batch {batch}: {json.dumps(rows[-1])}", file=sys.stderr)
+                del models
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": str(torch.cuda.get_device_name(device)
+                                                             if device.type == "cuda" else "cpu"),
+                                               "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows},
+                                              indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
