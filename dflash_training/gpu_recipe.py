@@ -78,7 +78,7 @@ def prepare(args: argparse.Namespace, repo: Path) -> list[list[str]]:
                     ignore=shutil.ignore_patterns("__pycache__"))
     small = [str(CARRY / name) for name in ("sharegpt.json.gz", "humaneval.jsonl", "pydeps")]
     if args.responses:
-        shutil.copy(args.responses, out / Path(args.responses).name)
+        shutil.copyfile(args.responses, out / Path(args.responses).name)  # not its mode: a rerun overwrites it
         small.append(str(CARRY / Path(args.responses).name))
     if not args.gguf:
         return [small]

@@ -439,7 +439,9 @@ def start_run(args: argparse.Namespace) -> TrainingRun:
 def estimated_memory(run: TrainingRun, vocab_subset: torch.Tensor | None) -> dict[str, float]:
     """dflash_training.memory's estimate for this run's options (GiB by part)."""
     args, target, config = run.args, run.target, run.drafter.config
-    weights = sum(t.numel() * t.element_size() for t in target.state_dict().values())
+    # by storage: a tied embedding and head are one tensor
+    weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                   for t in target.state_dict().values()}.values())
     softmax = len(vocab_subset) + args.batch_size * args.anchors if vocab_subset is not None else \
         target.config.shape.vocab_size
     sizes = memory.StepSizes(args.batch_size, args.seq_len, args.anchors, config.block_size, config.shape.num_layers,
