@@ -44,7 +44,7 @@ soak: install
 bench: install
 	$(VENV)/bin/dflash-bench --prompts chat humaneval sharegpt --block-size auto 8 --num-prompts 4 --max-new-tokens 128
 
-# Every check that needs a CUDA GPU, in one run sized for a lent machine (at most ~6 minutes on an H200). It uses
+# Every check that needs a CUDA GPU, in one run sized for a lent machine (meant to fit 6 minutes on an H200). It uses
 # that machine's own python3 (torch, transformers, triton, pytest; no venv, no network, no checkpoint): the GPU
 # tests, then step timings on random-weight targets of the embedded shape and of Qwen3-8B's, as one table and as
 # JSON in $$OUT (or here).
