@@ -243,7 +243,8 @@ def _validate_build_args(values: dict, args: argparse.Namespace) -> None:
     if kind == "gpu" and args.runtime == "torch" and not args.device.startswith("cuda"):
         raise RenderError(f"build.args build for --device {args.device} but the servers have GPUs: add "
                           "--device cuda (or use --runtime trtllm)")
-    if kind == "cpu" and (args.runtime != "torch" or args.device != "cpu"):
+    # device auto is the CPU in the CPU image (its torch has no CUDA)
+    if kind == "cpu" and (args.runtime != "torch" or args.device not in ("cpu", "auto")):
         raise RenderError(f"image.kind cpu needs the torch runtime on the CPU, but build.args ask for --runtime "
                           f"{args.runtime} --device {args.device}")
     if tp > 1 and args.runtime != "trtllm":
