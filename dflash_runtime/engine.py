@@ -6,9 +6,8 @@ One step runs one drafter pass and one target pass for the whole batch. The step
 verify_length.py); k = 1 skips the drafter. Block size 1 (or no drafter) is plain autoregressive
 decoding through the same code, which makes it the fair baseline.
 
-A step leaves the device only once: drafts, the target's choices, the accepted counts and the cache
-lengths are computed there, and one copy brings back the tokens and counts (sampled requests add a
-copy of their logits' choice). On CUDA the passes run over fixed shapes as CUDA graphs (step_graphs.py).
+A step leaves the device only once: drafts, the target's choices (samples too), the accepted counts
+and the cache lengths are computed there, and one copy brings back the tokens and counts. On CUDA the passes run over fixed shapes as CUDA graphs (step_graphs.py).
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from dflash_contract.presets import AUTO_BLOCK_SIZE
 from .config import DFlashError
 from .drafter import DFlashDrafter
 from .kv_cache import KVCache
-from .sampling import SamplingParams, choose_tokens
+from .sampling import SamplingParams, choose_tokens, sample_tokens, to_device
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence
 from .step_graphs import StepGraphs, batch_bucket, length_bucket
@@ -276,12 +275,16 @@ class SpeculativeEngine:
         return self.target(block, positions, self.target_cache, slots, self.feature_layers, rows=rows, length=length)
 
     def _choose(self, logits: torch.Tensor, batch: list[Sequence], row_of: list[int]) -> torch.Tensor:
-        """The target's token at each block position, [R, k] on the device: the argmax for greedy rows,
-        a sample (drawn on the host from the request's seed) for the others."""
+        """The target's token at each block position, [R, k] on the device: the argmax for greedy rows, for
+        the others a sample drawn there with the request's parameters and (seed, position) uniforms."""
         chosen = logits.argmax(-1)
-        for seq, row in zip(batch, row_of):
-            if not seq.params.greedy:
-                chosen[row] = self._to_device(choose_tokens(logits[row], seq.params, seq.last_position + 1))
+        sampled = [(row, seq) for seq, row in zip(batch, row_of) if not seq.params.greedy]
+        if sampled:
+            k = logits.shape[1]
+            rows = self._to_device([row for row, _ in sampled])
+            params = [seq.params for _, seq in sampled for _ in range(k)]
+            positions = [seq.last_position + 1 + t for _, seq in sampled for t in range(k)]
+            chosen[rows] = sample_tokens(logits[rows].flatten(0, 1), params, positions).view(len(sampled), k)
         return chosen
 
     def _keep_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -341,12 +344,7 @@ class SpeculativeEngine:
         return min(seconds[1:])
 
     def _to_device(self, data) -> torch.Tensor:
-        """A long tensor of host data on the engine's device; on CUDA through pinned memory, so the
-        copy does not wait for the work queued before it."""
-        tensor = torch.tensor(data, dtype=torch.long)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(data, self.device)
 
     # -- postprocessing -----------------------------------------------------------------------
     def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:

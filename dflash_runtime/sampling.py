@@ -60,21 +60,40 @@ def position_uniform(seed: int, position: int) -> float:
     return (z >> 11) / float(1 << 53)
 
 
-def target_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [T, V] -> probabilities after temperature, top-k and top-p, in float64."""
-    scores = logits.double() / params.temperature
-    if 0 < params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+def target_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits: [N, V], row n sampled with params[n] -> probabilities after temperature, top-k and top-p, in
+    float64. Rows are independent: a row's result does not depend on the others. Which filters run is
+    decided from the host's parameters: a branch on device values would wait for the device."""
+    device, vocab = logits.device, logits.shape[-1]
+    floats = to_device([[p.temperature, p.top_p] for p in params], device, torch.float64)
+    top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
+    scores = logits.double() / floats[:, :1]
+    if any(0 < p.top_k < vocab for p in params):
+        kth = scores.sort(dim=-1, descending=True).values.gather(-1, top_k[:, None] - 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))  # top_k = vocab keeps every score
     probs = torch.softmax(scores, dim=-1)
-    if params.top_p < 1:
+    if any(p.top_p < 1 for p in params):
+        top_p = floats[:, 1:]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = torch.where(top_p < 1, probs / probs.sum(-1, keepdim=True), probs)
     return probs
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    """The target's sample at each row of logits [N, V], on their device: row n draws with params[n] the
+    uniform of (its seed, positions[n]). The parameters and uniforms go up with the rows (computed on the
+    host, copied from pinned memory), and nothing comes back."""
+    uniforms = to_device([position_uniform(p.seed, position) for p, position in zip(params, positions)],
+                         logits.device, torch.float64)
+    probs = target_probabilities(logits, params)
+    cdf = probs.cumsum(-1)
+    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    # u * total < total, so the index is in range unless rounding pushes it past the last nonzero
+    return tokens.clamp_max(probs.shape[-1] - 1)
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, first_position: int) -> list[int]:
@@ -82,13 +101,17 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, first_position: 
     token at absolute position first_position + t."""
     if params.greedy:
         return logits.argmax(-1).tolist()
-    probs = target_probabilities(logits, params)
-    cdf = probs.cumsum(-1)
-    u = torch.tensor([[position_uniform(params.seed, first_position + t)] for t in range(len(probs))],
-                     dtype=cdf.dtype, device=cdf.device)
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-    # u * total < total, so the index is in range unless rounding pushes it past the last nonzero
-    return tokens.clamp_max(probs.shape[-1] - 1).tolist()
+    positions = list(range(first_position, first_position + len(logits)))
+    return sample_tokens(logits, [params] * len(logits), positions).tolist()
+
+
+def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of host data on `device`; on CUDA through pinned memory, so the copy does not wait for
+    the work queued before it."""
+    tensor = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
