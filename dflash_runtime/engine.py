@@ -7,7 +7,8 @@ verify_length.py); k = 1 skips the drafter. Block size 1 (or no drafter) is plai
 decoding through the same code, which makes it the fair baseline.
 
 A step leaves the device only once: drafts, the target's choices (samples too), the accepted counts
-and the cache lengths are computed there, and one copy brings back the tokens and counts. On CUDA the passes run over fixed shapes as CUDA graphs (step_graphs.py).
+and the cache lengths are computed there, and one copy brings back the tokens and counts. On CUDA the
+passes run over fixed shapes as CUDA graphs (step_graphs.py).
 """
 from __future__ import annotations
 
