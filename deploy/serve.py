@@ -32,6 +32,7 @@ from pathlib import Path
 from dflash_contract.server import (ABORT_SECONDS, DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S,
                                     EXIT_TIMEOUT_S, FAILURE_FILE_ENV, FLUSH_SECONDS, HEALTH_CHECK_SECONDS, METRICS_PATH,
                                     NOT_READY_CHECKS, PORTS, READY_PATH, UNHEALTHY_EXIT_CODE, drained_path)
+from dflash_contract.versions import version_warning
 
 DRAIN_FILE = "draining"
 FAILURE_FILE = "engine-failed"
@@ -397,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--runtime trtllm builds: the directory of TensorRT-LLM's LLM-API model.py and helpers.py "
                              "(default: where the NGC trtllm image has them)")
     args = parser.parse_args(argv)
+    warning = version_warning("dflash-serve")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # while loading: stop it
     try:
         server = start_server(args.repository, args.http_port, args.grpc_port, args.metrics_port,

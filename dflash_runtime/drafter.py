@@ -8,7 +8,9 @@ the target's. Module names equal the z-lab / ModelOpt checkpoint keys, so loadin
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -17,7 +19,7 @@ from .checkpoint import load_weights, read_safetensors
 from .config import DrafterConfig, TargetConfig
 from .kv_cache import KVCache
 from .kv_injection import injected_kv, kv_injection
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary, prepare_for_inference
+from .layers import MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference
 
 
 class DrafterLayer(nn.Module):
@@ -29,12 +31,10 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, h, cos, sin, context_k, context_v, mask):
+    def forward(self, h, cos, sin, keys_values: KeysValues, mask: AttentionMask):
         attn = self.self_attn
         q, k, v = attn.query_key_value(self.input_layernorm(h), cos, sin)
-        k = torch.cat([context_k, k.transpose(1, 2)], dim=2)
-        v = torch.cat([context_v, v.transpose(1, 2)], dim=2)
-        h = h + attn.attend(q, k, v, mask)
+        h = h + attn.attend(q, *keys_values(k, v), mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -88,28 +88,34 @@ class DFlashDrafter(nn.Module):
             kv_injection(context, attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight, inv_freq,
                          token_positions, token_slots, cache.k[i], cache.v[i], attn.k_norm.eps)
 
-    def draft(self, h: torch.Tensor, positions: torch.Tensor, context_kv, mask: torch.Tensor) -> torch.Tensor:
+    def draft(self, h: torch.Tensor, positions: torch.Tensor, keys_values: Callable[[int], KeysValues],
+              visible: torch.Tensor) -> torch.Tensor:
         """The draft layers over block embeddings h [B, Q, hidden] at positions [B, Q].
 
-        context_kv(layer) -> that layer's context k, v [B, KV, L, D]; mask [B, 1, Q, L + Q] (True = visible).
-        Returns the final-normed hidden states; the target's LM head turns them into draft tokens.
+        keys_values(layer) -> that layer's KeysValues: the block's own k, v joined to the context's, [B, KV, L, D]
+        each; visible [B, 1, Q or 1, L] (True = visible). Returns the final-normed hidden states; the target's
+        LM head turns them into draft tokens.
         """
+        s = self.config.shape
+        mask = AttentionMask(visible, s.num_heads, s.num_kv_heads)
         cos, sin = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, *context_kv(i), mask)
+            h = layer(h, cos, sin, keys_values(i), mask)
         return self.norm(h)
 
     def forward(self, block_embeddings: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor, rows: torch.Tensor | slice, length: int) -> torch.Tensor:
         """Draft one block per sequence from the cached context. block_embeddings: [B, S, hidden];
-        positions: [B, S]; rows: cache.rows of the slots; length: context keys to read, at least the
-        longest context of the batch (the engine knows it on the host). The block's own K/V never
-        enter the cache."""
-        context_lengths = cache.lengths[slots]
-        in_context = torch.arange(length, device=positions.device)[None, :] < context_lengths[:, None]
-        in_block = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
-        mask = torch.cat([in_context, in_block], dim=1)[:, None, None, :]  # [B, 1, 1, L + S]
-        return self.draft(block_embeddings, positions, lambda i: cache.read(i, rows, length), mask)
+        positions: [B, S], each row's block right after its committed context; rows: cache.rows of the slots;
+        length: keys to read, more than the highest position (the engine knows it on the host).
+
+        The block's own K/V are written into the cache after the context, where attention reads them with
+        it (no copy of the context per layer); they lie past the committed length, so the next context
+        written there replaces them and nothing else ever sees them."""
+        # every key up to the block's last position: the context before the block, and the whole block
+        visible = (torch.arange(length, device=positions.device)[None, :] <= positions[:, -1:])[:, None, None, :]
+        return self.draft(block_embeddings, positions,
+                          lambda i: partial(cache.write_and_read, i, slots, positions, rows, length), visible)
 
 
 def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -8,7 +8,10 @@ decoding through the same code, which makes it the fair baseline.
 
 A step leaves the device only once: drafts, the target's choices (samples too), the accepted counts
 and the cache lengths are computed there, and one copy brings back the tokens and counts. On CUDA the
-passes run over fixed shapes as CUDA graphs (step_graphs.py).
+passes run over fixed shapes as CUDA graphs (step_graphs.py), all captured when the engine starts.
+
+Everything the engine runs, its start-up included, runs under torch.inference_mode: a pass that records
+autograd history keeps its activations alive for as long as the cache it wrote (the engine's lifetime).
 """
 from __future__ import annotations
 
@@ -25,10 +28,11 @@ from dflash_contract.presets import AUTO_BLOCK_SIZE
 from .config import DFlashError
 from .drafter import DFlashDrafter
 from .kv_cache import KVCache
+from .kv_injection.op import KERNEL_IS_FASTER
 from .sampling import SamplingParams, choose_tokens, sample_tokens, to_device
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence
-from .step_graphs import StepGraphs, batch_bucket, length_bucket
+from .step_graphs import StepGraphs, batch_bucket, length_bucket, length_buckets
 from .target import TargetModel
 from .verify_length import StepCosts, VerifyLengthPolicy, device_signature, doubling
 
@@ -109,11 +113,18 @@ class SpeculativeEngine:
         self.static_shapes = static_shapes
         self.graphs = StepGraphs(capture=static_shapes and on_cuda)
         self.offsets = torch.arange(block_size, device=self.device)  # positions within a block
+        adaptive = adaptive and self.drafter is not None
+        self.verify_lengths = doubling(block_size) if adaptive else (block_size,)  # the k a step may verify
         self.policy = None
-        if adaptive and self.drafter is not None:
-            if step_costs is None or step_costs.device != device_signature(self.device):
-                step_costs = self._profile_step_costs()
-            self.policy = VerifyLengthPolicy(block_size, step_costs)
+        with torch.inference_mode():
+            if on_cuda:
+                self._time_kv_injection()
+            if self.graphs.capture:
+                self._capture_graphs()
+            if adaptive:
+                if step_costs is None or step_costs.device != device_signature(self.device):
+                    step_costs = self._profile_step_costs()
+                self.policy = VerifyLengthPolicy(block_size, step_costs)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams) -> Sequence:
@@ -163,8 +174,9 @@ class SpeculativeEngine:
         batch = self.scheduler.batch()
         if batch:
             k = self._verify_length(batch)
+            stalls = self._stalls()
             chosen = self._speculate(batch, k)
-            if self.policy is not None:
+            if self.policy is not None and self._stalls() == stalls:  # a stalled step would teach a false cost
                 seconds = self.last_step_seconds
                 self.policy.costs.observe(len(batch), k, seconds["draft"] + seconds["verify"])
             for seq, (tokens, accepted) in zip(batch, chosen):
@@ -200,14 +212,16 @@ class SpeculativeEngine:
         slots = self._to_device([seq.slot])
         tokens = self._to_device([seq.prompt_ids])
         positions = torch.arange(n, device=self.device)[None]
-        t0 = time.perf_counter()
+        clock = StepClock(self.device)
         logits, features = self.target(tokens, positions, self.target_cache, slots, self.feature_layers,
-                                       last_only=True, rows=slice(seq.slot, seq.slot + 1), length=n)
+                                       last_only=True, rows=slice(seq.slot, seq.slot + 1), length=n, causal=True)
         self._keep_context(features, positions, slots, self._to_device([n]))
-        seconds = time.perf_counter() - t0
+        clock.mark()
+        first = choose_tokens(logits[0], seq.params, n)  # reads the device: the clock's marks are done
+        seconds, = clock.intervals()
         seq.stats.verify_seconds += seconds
         self.last_step_seconds["prefill"] += seconds
-        return choose_tokens(logits[0], seq.params, n)
+        return first
 
     def _speculate(self, batch: list[Sequence], k: int) -> list[tuple[list[int], int]]:
         """One draft pass and one verify pass of length k for the whole batch; returns per sequence its
@@ -224,13 +238,11 @@ class SpeculativeEngine:
         block = tokens  # [R, k]: each row's newest token, then k - 1 drafts
         if k > 1:
             self._write_pending_context(batch)
-            length = self._length(context)
-            draft = partial(self._draft_pass, rows=rows, length=length, k=k)
-            block = self.graphs.run(("draft", len(row_slots), k, length), draft, tokens, starts, slots).clone()
+            key = ("draft", len(row_slots), k, self._length(context + self.block_size))
+            block = self.graphs.run(key, self._pass(key, rows), tokens, starts, slots)
         clock.mark()
-        length = self._length(context + k)
-        verify = partial(self._verify_pass, rows=rows, length=length)
-        logits, features = self.graphs.run(("verify", len(row_slots), k, length), verify, block, starts, slots)
+        key = ("verify", len(row_slots), k, self._length(context + k))
+        logits, features = self.graphs.run(key, self._pass(key, rows), block, starts, slots)
         chosen = self._choose(logits, batch, row_of)
         accepted = (block[:, 1:] == chosen[:, :-1]).cumprod(dim=1).sum(dim=1)
         # block[0..a] are now committed context; the bonus token's K/V comes with the next block
@@ -256,6 +268,50 @@ class SpeculativeEngine:
 
     def _length(self, keys: int) -> int:
         return length_bucket(keys, self.target_cache.capacity) if self.static_shapes else keys
+
+    def _pass(self, key: tuple, rows: torch.Tensor | slice) -> Callable:
+        """The pass of a graph key ("draft" or "verify", R, k, key length) over cache rows `rows`:
+        a function of (tokens [R, 1] or block [R, k], starts [R], slots [R])."""
+        name, _, k, length = key
+        if name == "draft":
+            return partial(self._draft_pass, rows=rows, length=length, k=k)
+        return partial(self._verify_pass, rows=rows, length=length)
+
+    def graph_keys(self) -> list[tuple]:
+        """Every (pass, R, k, key length) a step can run with static shapes, at most graphs.max_graphs of them:
+        if there are more, small batches and short contexts are kept (they are the launch-bound ones; the
+        others run eagerly). Largest first, the order to capture them in."""
+        keys = [(name, rows, k, length) for rows in doubling(self.scheduler.num_slots) for k in self.verify_lengths
+                for length in length_buckets(self.target_cache.capacity)
+                for name in (("draft", "verify") if k > 1 else ("verify",))]
+        kept = sorted(keys, key=lambda key: (key[1], key[3]))[:self.graphs.max_graphs]
+        return sorted(kept, key=lambda key: (key[1], key[2], key[3]), reverse=True)
+
+    def _capture_graphs(self) -> None:
+        """Capture every graph a step can need now, on dummy rows 0..R-1 (no sequence holds a slot yet;
+        what the captures write into the caches is never read)."""
+        for key in self.graph_keys():
+            rows, k = key[1], key[2]
+            first = torch.zeros((rows, 1 if key[0] == "draft" else k), dtype=torch.long, device=self.device)
+            starts = torch.zeros(rows, dtype=torch.long, device=self.device)
+            slots = torch.arange(rows, device=self.device)
+            self.graphs.capture_graph(key, self._pass(key, slice(0, rows)), (first, starts, slots))
+
+    def _time_kv_injection(self) -> None:
+        """Let the KV-injection op time its kernel against the reference (op.py) now, for every token count
+        a prefill, a step or deferred context may bring: each timing is a stall a request would wait on."""
+        if self.drafter is None:
+            return
+        width = len(self.feature_layers) * self.target.config.shape.hidden_size
+        most = max(self.max_context, self.scheduler.num_slots * max(self.block_size, MAX_PENDING_CONTEXT))
+        for n in doubling(1 << (most - 1).bit_length()):
+            features = torch.zeros((1, n, width), dtype=self.target.dtype, device=self.device)
+            positions = torch.arange(n, device=self.device)[None] % self.draft_cache.capacity
+            self.drafter.inject_context(features, positions, self.draft_cache, torch.zeros_like(positions[0, :1]))
+
+    def _stalls(self) -> int:
+        """Graph captures and KV-injection timings so far: a step during which either happened ran slow once."""
+        return self.graphs.captures + len(KERNEL_IS_FASTER)
 
     def _draft_pass(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, *,
                     rows: torch.Tensor | slice, length: int, k: int) -> torch.Tensor:

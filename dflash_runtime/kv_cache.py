@@ -28,9 +28,13 @@ class KVCache:
         self.v[layer][slots[:, None], :, positions] = v
 
     def check_positions(self, positions: torch.Tensor) -> None:
-        """A device-to-host copy: only with DFLASH_CHECK_BOUNDS=1 (the engine keeps positions in bounds
-        by construction, and a step must not wait for the device per layer)."""
-        if int(positions.max()) >= self.capacity:
+        """Only with DFLASH_CHECK_BOUNDS=1: the engine keeps positions in bounds by construction. Eagerly a
+        device-to-host copy per layer (an IndexError naming the position); inside a CUDA-graph capture or a
+        torch.compile trace, where a host copy is forbidden, an assertion on the device instead."""
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or torch.compiler.is_compiling():
+            torch._assert_async(positions.max() < self.capacity, f"KV cache write beyond capacity {self.capacity}")
+        elif int(positions.max()) >= self.capacity:
             raise IndexError(f"KV cache write at position {int(positions.max())} beyond capacity {self.capacity}")
 
     @staticmethod
@@ -50,6 +54,12 @@ class KVCache:
             return self.k[layer][rows, :, :length], self.v[layer][rows, :, :length]
         return (self.k[layer][:, :, :length].index_select(0, rows),
                 self.v[layer][:, :, :length].index_select(0, rows))
+
+    def write_and_read(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | slice,
+                       length: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's KeysValues over this cache: write the new k, v, then read the first `length` keys."""
+        self.write(layer, slots, positions, k, v)
+        return self.read(layer, rows, length)
 
     def crop(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
         """Commit (or roll back to) `lengths` tokens per slot."""

@@ -1,11 +1,14 @@
 """Building blocks shared by the target and the drafter. Module names equal HF checkpoint keys."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import RopeConfig, TransformerShape
+from .cpu_linears import split_where_faster
 
 
 class RMSNorm(nn.Module):
@@ -45,27 +48,6 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-class ThreadSplitLinear(nn.Module):
-    """A frozen linear whose rows are split into one slice per thread and run as one batched GEMM.
-
-    On CPU, F.linear on a few rows (decode, verify) becomes an MKL GEMV that runs on ONE core:
-    ~10 GB/s here against ~21 GB/s that two cores stream. A bmm over row slices is threaded across
-    the slices. Measured on SmolLM2-135M, 2 cores: 51 -> 39 ms per decoded token. Each output is
-    still one dot product over the full input, in float32.
-    """
-
-    def __init__(self, linear: nn.Linear, parts: int):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.slices = linear.weight.detach().view(parts, -1, linear.weight.shape[1])  # a view: no copy
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).T  # [K, M]
-        y = torch.bmm(self.slices, rows.expand(len(self.slices), *rows.shape))  # [P, N/P, M]
-        y = y.permute(2, 0, 1).reshape(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
-
-
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -101,14 +83,15 @@ class Rotary:
         return self.inv_freq
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [B, T] -> cos, sin: [B, 1, T, head_dim]
+        # positions: [B, T] -> cos, sin: [B, T, 1, head_dim], to broadcast over the heads of [B, T, H, D]
         freqs = positions[..., None].float() * self.inverse_frequencies(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]; HF's rotate-half convention (not interleaved pairs).
+    # x: [B, T, H, D], as the projection made it; HF's rotate-half convention (not interleaved pairs). On a
+    # transposed x the result came out with its head dim strided, which SDPA's fused kernels refuse.
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -154,32 +137,83 @@ class AttentionProjections(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q.transpose(1, 2), cos, sin)
+        return apply_rope(q, cos, sin).transpose(1, 2)
 
     def _key_value(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # [B, T, KV * D] each -> k, v: [B, T, KV, D] (cache layout: tokens before heads)
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.k_norm is not None:
             k = self.k_norm(k)
-        k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
-        return k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(k, cos, sin), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # q: [B, H, T, D]; k, v: [B, KV, L, D]; mask: [B, 1, T, L] (True = visible)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "AttentionMask") -> torch.Tensor:
+        # q: [B, H, T, D]; k, v: [B, KV, L, D]
+        return self.o_proj(mask.attend(q, k, v).transpose(1, 2).flatten(2))
+
+
+# What a layer does with its new keys and values k, v [B, T, KV, D]: returns every key and value its
+# queries attend to, [B, KV, L, D] each (written to a cache and read back, or joined to a context)
+KeysValues = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+# None: fold on CUDA only (see AttentionMask); the tests set True to run the folded path on a CPU
+FOLD_QUERY_GROUPS: bool | None = None
+
+
+class AttentionMask:
+    """Which keys each query sees, prepared once per pass for the scaled_dot_product_attention of every layer.
+
+    On CUDA, SDPA's fused kernels refuse what a masked GQA pass asks for: flash attention takes no explicit
+    mask and memory-efficient attention no `enable_gqa`, so both fell to the math kernel (bf16 upcast to
+    float32, K/V expanded to every query head). Here the G query heads that share a K/V head are folded into
+    the query axis ([B, H, T, D] -> [B, KV, G * T, D], the mask's rows repeated per group), so the heads match
+    and memory-efficient attention takes the mask, as an additive float mask made once per pass rather than
+    converted in every layer. A causal pass over a whole prompt needs no mask at all: flash attention with
+    `is_causal` and `enable_gqa`. On a CPU, SDPA's flash kernel takes the boolean mask and GQA as they are
+    (folding measured no faster there: 106 against 70 us for a block of 8 at SmolLM2's shapes).
+    """
+
+    def __init__(self, visible: torch.Tensor | None, num_heads: int, num_kv_heads: int):
+        """visible: [B, 1, T or 1, L] (True = visible), or None for a causal pass of T == L tokens from position 0."""
+        self.groups = num_heads // num_kv_heads
+        fold = FOLD_QUERY_GROUPS if FOLD_QUERY_GROUPS is not None else (visible is not None and visible.is_cuda)
+        self.fold = fold and visible is not None and self.groups > 1
+        if self.fold and visible.shape[2] > 1:  # query rows g * T + t see what query t sees
+            visible = visible.repeat(1, 1, self.groups, 1)
+        self.visible = visible
+        self.additive = None  # the folded mask as 0 / -inf, in the queries' dtype (made by the first layer)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D)) v over the visible keys: q [B, H, T, D], k, v [B, KV, L, D] -> [B, H, T, D]."""
+        query, options = self._sdpa_arguments(q, k)
+        return F.scaled_dot_product_attention(query, k, v, **options).reshape(q.shape)
+
+    def backend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+        """The SDPA backend `attend` runs for these inputs (FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION
+        or MATH), as torch's own dispatcher chooses it."""
+        from torch.nn.attention import SDPBackend
+
+        query, options = self._sdpa_arguments(q, k)
+        return SDPBackend(torch._fused_sdp_choice(query, k, v, **options)).name
+
+    def _sdpa_arguments(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        gqa = self.groups > 1
+        if self.visible is None:
+            return q, {"is_causal": True, "enable_gqa": gqa}
+        if not self.fold:
+            return q, {"attn_mask": self.visible, "enable_gqa": gqa}
+        if self.additive is None or self.additive.dtype != q.dtype:
+            self.additive = torch.zeros(self.visible.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~self.visible, float("-inf"))
+        b, _, t, d = q.shape
+        return q.reshape(b, k.shape[1], self.groups * t, d), {"attn_mask": self.additive}
 
 
 def prepare_for_inference(model: nn.Module) -> None:
-    """Fuse q/k/v and gate/up in every layer; on a multi-core CPU, split every linear across threads."""
+    """Freeze the weights (nothing run for inference may record autograd history), fuse q/k/v and gate/up in
+    every layer; on a multi-core CPU, split the linears across threads where that measured faster."""
+    model.requires_grad_(False)
     for module in list(model.modules()):
         if isinstance(module, (AttentionProjections, MLP)):
             module.fuse()
-    parts = torch.get_num_threads()
-    if next(model.parameters()).device.type != "cpu" or parts < 2:
-        return
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            # views are the parts of a fused linear, which is split instead
-            if type(child) is nn.Linear and child.weight._base is None and child.weight.shape[0] % parts == 0:
-                setattr(parent, name, ThreadSplitLinear(child, parts))
+    if next(model.parameters()).device.type == "cpu":
+        split_where_faster(model)

@@ -1,6 +1,7 @@
 """Target models (Llama, Qwen3) that return the hidden states DFlash conditions on, beside the logits."""
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from .checkpoint import load_weights, read_safetensors
 from .config import TargetConfig
 from .kv_cache import KVCache
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary, prepare_for_inference
+from .layers import MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference
 
 
 class DecoderLayer(nn.Module):
@@ -21,12 +22,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, h, cos, sin, cache: KVCache, layer: int, slots, rows, positions, mask):
+    def forward(self, h, cos, sin, keys_values: KeysValues, mask: AttentionMask):
         attn = self.self_attn
         q, k, v = attn.query_key_value(self.input_layernorm(h), cos, sin)
-        cache.write(layer, slots, positions, k, v)
-        k_all, v_all = cache.read(layer, rows, mask.shape[-1])
-        h = h + attn.attend(q, k_all, v_all, mask)
+        h = h + attn.attend(q, *keys_values(k, v), mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -67,7 +66,7 @@ class TargetModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                 feature_layers: tuple[int, ...] = (), last_only: bool = False, apply_head: bool = True,
-                rows: torch.Tensor | slice | None = None, length: int | None = None):
+                rows: torch.Tensor | slice | None = None, length: int | None = None, causal: bool = False):
         """Run new tokens of several sequences at once, writing their K/V into the cache.
 
         tokens, positions: [B, T] (positions are absolute; each row may start at a different length)
@@ -76,19 +75,24 @@ class TargetModel(nn.Module):
         With apply_head=False the final-normed hidden states come back instead of logits.
         rows (cache.rows of the slots) and length (keys to attend to: more than the highest position)
         are the engine's, known on the host; without them they are read from the tensors, which waits
-        for the device.
+        for the device. causal: the rows are whole prompts, positions 0..T-1 with nothing cached before
+        them (a prefill), which attention runs without a mask.
         """
         if rows is None:
             rows = cache.rows(slots.tolist(), slots)
         if length is None:
-            length = int(positions.max()) + 1
+            length = tokens.shape[1] if causal else int(positions.max()) + 1
         h = self.embed(tokens)
         cos, sin = self.rotary(positions, h.dtype)
-        key_positions = torch.arange(length, device=positions.device)
-        mask = (key_positions[None, None, None, :] <= positions[:, None, :, None])  # [B, 1, T, L]: causal, ragged
+        visible = None
+        if not causal:
+            key_positions = torch.arange(length, device=positions.device)
+            visible = key_positions[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]: causal, ragged
+        s = self.config.shape
+        mask = AttentionMask(visible, s.num_heads, s.num_kv_heads)
         selected = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, i, slots, rows, positions, mask)
+            h = layer(h, cos, sin, partial(cache.write_and_read, i, slots, positions, rows, length), mask)
             if i in feature_layers:
                 selected[i] = h
         features = torch.cat([selected[i] for i in feature_layers], dim=-1) if feature_layers else None

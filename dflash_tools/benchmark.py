@@ -99,6 +99,15 @@ def speculation_summary(stats: SamplingStats) -> dict:
     }
 
 
+def projections(pipe) -> str:
+    """Which path the linears ran: on a CPU, thread-split or F.linear as measured on this host (cpu_linears)."""
+    if pipe.target.device.type != "cpu":
+        return f"F.linear on {pipe.target.device}"
+    from dflash_runtime.cpu_linears import describe
+
+    return f"target {describe(pipe.target)}; drafter {describe(pipe.drafter).split(': ', 1)[1]}"
+
+
 def run(args) -> dict:
     from dflash_runtime.pipeline import load_pipeline
 
@@ -107,6 +116,7 @@ def run(args) -> dict:
     pipe = load_pipeline(args.target, args.drafter, args.dtype, args.device)
     if pipe.drafter is None:
         raise DFlashError("the benchmark compares against DFlash: the target needs a drafter (--drafter DIR)")
+    print(f"[projections] {projections(pipe)}", file=sys.stderr)
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -127,7 +137,7 @@ def run(args) -> dict:
     return {
         "target": str(pipe.target_dir), "drafter": args.drafter, "block_sizes": list(dflash),
         "drafter_block_size": pipe.drafter.config.block_size,
-        "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+        "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(), "projections": projections(pipe),
         "autoregressive_weight_GBps": round(sum(storages.values()) * ar_rate / 1e9, 2),
         "prompt_sets": results,
     }

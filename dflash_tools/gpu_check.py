@@ -3,12 +3,15 @@
     python3 -m dflash_tools.gpu_check [--shapes smollm2-135m qwen3-8b] [--batch-sizes 1 32] [--json FILE]
 
 For each target shape (bfloat16 on CUDA; random weights and a random DFlash drafter of the matching
-shape: a step's time does not depend on the weights) and batch size, side by side in one process:
-transformers `generate` per token, this engine's autoregressive step, and its draft + verify step at
-block 8 and 16 (CUDA graphs on, as served). Printed as one table, with the bandwidth floor of an
-autoregressive step (weight bytes / measured device copy bandwidth), verify/AR, draft/verify and the
-tokens/s a step time gives at acceptance lengths tau = 1, 3, 6. It needs no checkpoint, no network and
-no package beyond torch and transformers, so it runs on a bare lent machine.
+shape: a step's time does not depend on the weights), batch size and context (a short prompt, and one
+that makes every step read ~2,048 keys), side by side in one process: transformers `generate` per
+token, this engine's autoregressive step, and its draft + verify step at block 8 and 16 (CUDA graphs
+on, as served). Printed as one table, with the bandwidth floor of an autoregressive step (weight bytes,
+plus at long context the K/V it reads, over the measured device copy bandwidth), verify/AR,
+draft/verify and the tokens/s a step time gives at acceptance lengths tau = 1, 3, 6; then which SDPA
+backend each kind of attention ran on, and the CUDA graphs each engine captured when it started. It
+needs no checkpoint, no network and no package beyond torch and transformers, so it runs on a bare
+lent machine.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,7 +28,7 @@ import torch
 from dflash_runtime.config import DrafterConfig, TargetConfig
 from dflash_runtime.drafter import DFlashDrafter
 from dflash_runtime.engine import SpeculativeEngine
-from dflash_runtime.layers import prepare_for_inference
+from dflash_runtime.layers import AttentionMask, prepare_for_inference
 from dflash_runtime.sampling import SamplingParams
 from dflash_runtime.target import TargetModel
 
@@ -45,6 +49,10 @@ COMMON = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings"
 BLOCKS = (8, 16)
 PROMPT_TOKENS = 64
 MAX_CONTEXT = 1024  # room for the timed steps even if random drafts were accepted
+# Long context: a cache of 2,048 keys (max context + block), and prompts that leave room for every timed
+# step to accept a whole block, so that all of them read the 2,048-key bucket
+LONG_CONTEXT = 2048 - max(BLOCKS)
+CONTEXTS = ("short", "long")
 
 
 def sync(device: torch.device) -> None:
@@ -97,8 +105,8 @@ def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
     return 2 * src.numel() / best
 
 
-def hf_seconds_per_token(hf, batch: int, new_tokens: int) -> float:
-    prompts = torch.randint(2, hf.config.vocab_size, (batch, PROMPT_TOKENS), device=hf.device)
+def hf_seconds_per_token(hf, batch: int, new_tokens: int, prompt: int) -> float:
+    prompts = torch.randint(2, hf.config.vocab_size, (batch, prompt), device=hf.device)
     for tokens in (2, new_tokens):  # the first call warms up
         sync(hf.device)
         start = time.perf_counter()
@@ -107,12 +115,16 @@ def hf_seconds_per_token(hf, batch: int, new_tokens: int) -> float:
     return (time.perf_counter() - start) / new_tokens
 
 
-def step_seconds(engine: SpeculativeEngine, batch: int, steps: int) -> tuple[float, float, float]:
+def prompt_tokens(context: str, steps: int) -> int:
+    return PROMPT_TOKENS if context == "short" else LONG_CONTEXT - (steps + 3) * max(BLOCKS) - 1
+
+
+def step_seconds(engine: SpeculativeEngine, batch: int, steps: int, prompt: int) -> tuple[float, float, float]:
     """Median seconds of one engine step over a full batch (draft, verify, whole step)."""
     vocab = engine.target.config.shape.vocab_size
     params = SamplingParams(max_new_tokens=10 ** 6, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
-    seqs = [engine.add_request(torch.randint(2, vocab, (PROMPT_TOKENS,), generator=generator).tolist(), params)
+    seqs = [engine.add_request(torch.randint(2, vocab, (prompt,), generator=generator).tolist(), params)
             for _ in range(batch)]
     engine.step()  # the prefills
     draft, verify, whole = [], [], []
@@ -128,41 +140,92 @@ def step_seconds(engine: SpeculativeEngine, batch: int, steps: int) -> tuple[flo
     return tuple(sorted(values[3:])[steps // 2] for values in (draft, verify, whole))
 
 
-def measure_shape(name: str, batch: int, steps: int, bandwidth: float, models) -> dict:
+@contextmanager
+def sdpa_backends(found: dict[str, set[str]]):
+    """Record the SDPA backend of every attention the engine runs meanwhile (its start-up captures run every
+    pass it serves), by kind: prefill, decode (one query), verify (a block, causal), draft (a block, open)."""
+    attend = AttentionMask.attend
+
+    def recording(mask, q, k, v):
+        kind = ("prefill" if mask.visible is None else "decode" if q.shape[2] == 1
+                else "draft" if mask.visible.shape[2] == 1 else "verify")
+        found.setdefault(kind, set()).add(mask.backend(q, k, v))
+        return attend(mask, q, k, v)
+
+    AttentionMask.attend = recording
+    try:
+        yield found
+    finally:
+        AttentionMask.attend = attend
+
+
+def timed_engine(target, drafter, block: int, batch: int, steps: int, context: str, backends: dict):
+    """(draft, verify, step) seconds of an engine at a fixed block size, and what its graphs cost."""
+    max_context = MAX_CONTEXT if context == "short" else LONG_CONTEXT
+    with sdpa_backends(backends):
+        engine = SpeculativeEngine(target, drafter if block > 1 else None, block_size=block, max_batch_size=batch,
+                                   max_context=max_context)
+        seconds = step_seconds(engine, batch, steps, prompt_tokens(context, steps))
+    report = engine.graphs.report
+    graphs = {"graphs": report.graphs, "MiB": round(report.pool_bytes / 2 ** 20, 1),
+              "seconds": round(report.seconds, 2)}
+    del engine
+    return seconds, graphs
+
+
+def kv_bytes_per_token(target) -> int:
+    s = target.config.shape
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * target.dtype.itemsize
+
+
+def measure_shape(name: str, batch: int, context: str, steps: int, bandwidth: float, models) -> dict:
     hf, target, drafter = models
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-    hf_s = hf_seconds_per_token(hf, batch, steps)
-    ar = SpeculativeEngine(target, block_size=1, max_batch_size=batch, max_context=MAX_CONTEXT)
-    _, _, ar_s = step_seconds(ar, batch, steps)
-    del ar
-    row = {"shape": name, "batch": batch, "weight_GB": round(weight_bytes / 1e9, 3),
+    # what an autoregressive step must read: the weights, and each sequence's K/V (its bucket of keys)
+    keys = 0 if context == "short" else LONG_CONTEXT + 1
+    read_bytes = weight_bytes + batch * keys * kv_bytes_per_token(target)
+    hf_s = hf_seconds_per_token(hf, batch, steps, prompt_tokens(context, steps))
+    backends, graphs = {}, {}
+    (_, _, ar_s), graphs["ar"] = timed_engine(target, drafter, 1, batch, steps, context, backends)
+    row = {"shape": name, "batch": batch, "context": context, "keys": keys, "weight_GB": round(weight_bytes / 1e9, 3),
            "hf_generate_ms_per_token": round(hf_s * 1e3, 3), "ar_step_ms": round(ar_s * 1e3, 3),
-           "bandwidth_floor_ms": round(weight_bytes / bandwidth * 1e3, 3),
+           "bandwidth_floor_ms": round(read_bytes / bandwidth * 1e3, 3),
            "ar_tokens_per_second": round(batch / ar_s, 1), "ar_vs_hf_generate": round(hf_s / ar_s, 2)}
     row["ar_vs_floor"] = round(row["ar_step_ms"] / row["bandwidth_floor_ms"], 2)
     for block in BLOCKS:
-        engine = SpeculativeEngine(target, drafter, block_size=block, max_batch_size=batch, max_context=MAX_CONTEXT)
-        draft_s, verify_s, step_s = step_seconds(engine, batch, steps)
-        del engine
+        (draft_s, verify_s, step_s), graphs[f"block{block}"] = timed_engine(target, drafter, block, batch, steps,
+                                                                             context, backends)
         row[f"block{block}"] = {"step_ms": round(step_s * 1e3, 3), "draft_ms": round(draft_s * 1e3, 3),
                                 "verify_ms": round(verify_s * 1e3, 3), "verify_vs_ar": round(verify_s / ar_s, 2),
                                 "draft_vs_verify": round(draft_s / verify_s, 3),
                                 "tokens_per_second": {tau: round(batch * tau / step_s, 1) for tau in (1, 3, 6)}}
+    row["sdpa_backends"] = {kind: sorted(names) for kind, names in sorted(backends.items())}
+    row["cuda_graphs"] = graphs
     return row
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'shape':13s} {'B':>3s} {'hf ms/tok':>9s} {'AR ms':>7s} {'floor':>6s} {'AR/fl':>5s} {'AR/hf':>6s} "
-            + " ".join(f"{f'v{b}/AR':>6s} {f'd/v{b}':>6s} {f'tok/s@tau1,3,6 (b{b})':>24s}" for b in BLOCKS))
+    head = (f"{'shape':13s} {'B':>3s} {'keys':>5s} {'hf ms/tok':>9s} {'AR ms':>7s} {'floor':>6s} {'AR/fl':>5s} "
+            f"{'AR/hf':>6s} " + " ".join(f"{f'v{b}/AR':>6s} {f'd/v{b}':>6s} {f'tok/s@tau1,3,6 (b{b})':>24s}"
+                                         for b in BLOCKS))
     lines = [head]
     for r in rows:
-        cells = [f"{r['shape']:13s} {r['batch']:3d} {r['hf_generate_ms_per_token']:9.2f} {r['ar_step_ms']:7.2f} "
-                 f"{r['bandwidth_floor_ms']:6.2f} {r['ar_vs_floor']:5.2f} {r['ar_vs_hf_generate']:6.1f}"]
+        cells = [f"{r['shape']:13s} {r['batch']:3d} {r['keys']:5d} {r['hf_generate_ms_per_token']:9.2f} "
+                 f"{r['ar_step_ms']:7.2f} {r['bandwidth_floor_ms']:6.2f} {r['ar_vs_floor']:5.2f} "
+                 f"{r['ar_vs_hf_generate']:6.1f}"]
         for b in BLOCKS:
             s = r[f"block{b}"]
             rates = "/".join(f"{v:.0f}" for v in s["tokens_per_second"].values())
             cells.append(f"{s['verify_vs_ar']:6.2f} {s['draft_vs_verify']:6.3f} {rates:>24s}")
         lines.append(" ".join(cells))
+    lines.append("")
+    lines.append(f"{'shape':13s} {'B':>3s} {'keys':>5s}  SDPA backend by attention; "
+                 "CUDA graphs (count/MiB/s) by engine")
+    for r in rows:
+        backends = ", ".join(f"{kind} {'+'.join(names)}" for kind, names in r["sdpa_backends"].items())
+        graphs = ", ".join(f"{engine} {g['graphs']}/{g['MiB']:.0f}/{g['seconds']:.1f}"
+                           for engine, g in r["cuda_graphs"].items())
+        lines.append(f"{r['shape']:13s} {r['batch']:3d} {r['keys']:5d}  {backends}; {graphs}")
     return "\n".join(lines)
 
 
@@ -171,6 +234,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "qwen3-8b"], choices=list(SHAPES))
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--contexts", nargs="+", default=list(CONTEXTS), choices=CONTEXTS,
+                        help=f"short: {PROMPT_TOKENS}-token prompts; long: steps that read ~2,048 keys")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (the median counts)")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu runs the same code, slowly")
     parser.add_argument("--json", help="also write the rows to this file")
@@ -188,9 +253,10 @@ def main(argv=None) -> int:
         for name in args.shapes:
             with tempfile.TemporaryDirectory() as folder:
                 models = random_models(name, device, dtype, Path(folder))
-                for batch in args.batch_sizes:
-                    rows.append(measure_shape(name, batch, args.steps, bandwidth, models))
-                    print(f"{name} batch {batch}: {json.dumps(rows[-1])}", file=sys.stderr)
+                for context in args.contexts:
+                    for batch in args.batch_sizes:
+                        rows.append(measure_shape(name, batch, context, args.steps, bandwidth, models))
+                        print(f"{name} batch {batch} {context}: {json.dumps(rows[-1])}", file=sys.stderr)
                 del models
             if device.type == "cuda":
                 torch.cuda.empty_cache()

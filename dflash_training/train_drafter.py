@@ -188,7 +188,7 @@ def target_features(target: TargetModel, batch: list[list[int]], layer_ids: tupl
     cache = target.new_cache(len(batch), T)
     positions = torch.arange(T, device=device)[None].expand(len(batch), T)
     slots = torch.arange(len(batch), device=device)
-    final, features = target(tokens, positions, cache, slots, layer_ids, apply_head=False)
+    final, features = target(tokens, positions, cache, slots, layer_ids, apply_head=False, causal=True)
     return tokens, features, final
 
 
@@ -288,11 +288,13 @@ def drafter_hidden(drafter: DFlashDrafter, target: TargetModel, tokens, features
     sees_block = (block_id[:, None] == block_id[None, :]).expand(B, A * S, A * S)
     mask = torch.cat([sees_context, sees_block], dim=2)[:, None]
 
-    def context_kv(layer: int):  # [B * T, KV, D] -> [B, KV, T, D], the cache's layout
-        k, v = drafter.context_kv(layer, context, context_positions)
-        return k.unflatten(0, (B, T)).transpose(1, 2), v.unflatten(0, (B, T)).transpose(1, 2)
+    def keys_values(layer: int):  # the context's k, v, then the blocks': [B, KV, T + A*S, D]
+        context_k, context_v = drafter.context_kv(layer, context, context_positions)  # [B * T, KV, D]
+        context_k, context_v = (x.unflatten(0, (B, T)).transpose(1, 2) for x in (context_k, context_v))
+        return lambda k, v: (torch.cat([context_k, k.transpose(1, 2)], dim=2),
+                             torch.cat([context_v, v.transpose(1, 2)], dim=2))
 
-    return drafter.draft(target.embed(block_tokens.flatten(1)), block_positions, context_kv, mask)
+    return drafter.draft(target.embed(block_tokens.flatten(1)), block_positions, keys_values, mask)
 
 
 def block_loss(drafter, target, tokens, features, final, lengths, block_size, anchors_per_seq, decay, generator,

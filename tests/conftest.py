@@ -40,9 +40,14 @@ def make_target(path: Path, arch: str) -> Path:
         model = transformers.Qwen3ForCausalLM(config)
     else:  # Llama-3.1 style: tied head, llama3 RoPE scaling. With a tied head and the default init
         # scale, greedy decoding repeats one token for every prompt; a larger scale gives varied outputs.
-        config = transformers.LlamaConfig(**common, tie_word_embeddings=True, initializer_range=0.12, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
+        # transformers 5 takes rope_parameters; 4.57 (the GPU serving image's, `make image-rehearsal`) ignores
+        # that key and takes rope_theta + rope_scaling
+        major = int(transformers.__version__.split(".")[0])
+        rope = ({"rope_parameters": {**scaling, "rope_theta": 500000.0}} if major >= 5
+                else {"rope_theta": 500000.0, "rope_scaling": scaling})
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=True, initializer_range=0.12, **rope)
         model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(path)
     return path

@@ -1,6 +1,8 @@
 """Losslessness and scheduling of the speculative engine on tiny targets (Qwen3 and Llama-3.1 style)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -190,10 +192,11 @@ def test_bad_requests_are_rejected_clearly(tiny):
     assert not engine.has_unfinished()
 
 
-def test_thread_split_linears_stay_token_identical(tiny):
-    """On a multi-core CPU every linear runs as a row-split batched GEMM: still the target's greedy output."""
-    from dflash_runtime.layers import ThreadSplitLinear
+def test_thread_split_linears_stay_token_identical(tiny, monkeypatch):
+    """On a multi-core CPU a linear may run as a row-split batched GEMM: still the target's greedy output."""
+    from dflash_runtime.cpu_linears import ThreadSplitLinear
 
+    monkeypatch.setenv("DFLASH_CPU_LINEAR", "split")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -205,3 +208,78 @@ def test_thread_split_linears_stay_token_identical(tiny):
     finally:
         torch.set_num_threads(threads)
     assert [s.output_ids for s in seqs] == reference(tiny)
+
+
+def test_cpu_linear_paths_are_measured_once_per_host(tiny, monkeypatch, tmp_path):
+    """By default each weight shape is timed both ways at one row and at several, on this host, and the choice
+    cached under the host's signature: a second load measures nothing and takes the same paths."""
+    from dflash_runtime import cpu_linears
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    monkeypatch.delenv("DFLASH_CPU_LINEAR", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        target, _ = load_pair(tiny)
+        cached = json.loads((tmp_path / "cpu_linears.json").read_text())
+        assert list(cached) == [cpu_linears.host_signature()]
+        linears = [m for m in target.modules() if isinstance(m, (torch.nn.Linear, cpu_linears.ThreadSplitLinear))]
+        shapes = {f"{m.weight.shape[0]}x{m.weight.shape[1]} float32" for m in linears if not cpu_linears.is_fused_part(m)}
+        assert shapes <= set(cached[cpu_linears.host_signature()])
+        measured = []
+        monkeypatch.setattr(cpu_linears, "measure_split", lambda *args: measured.append(args) or True)
+        again, _ = load_pair(tiny)
+        assert not measured and cpu_linears.describe(again) == cpu_linears.describe(target)
+        monkeypatch.setenv("DFLASH_CPU_LINEAR", "plain")
+        plain, _ = load_pair(tiny)
+        assert "0/" in cpu_linears.describe(plain) and not any(
+            isinstance(m, cpu_linears.ThreadSplitLinear) for m in plain.modules())
+    finally:
+        torch.set_num_threads(threads)
+    assert "thread-split linears (2 threads)" in cpu_linears.describe(target)
+
+
+def test_folded_query_groups_attend_as_grouped_query_attention():
+    """CUDA's attention folds each K/V head's query group into the query axis (so a fused kernel takes the mask):
+    the same attention as SDPA's enable_gqa for a prefill, a verify block and a draft block, here on a CPU."""
+    from dflash_runtime import layers
+
+    torch.manual_seed(0)
+    heads, kv_heads, keys = 6, 2, 40
+    k, v = torch.randn(3, kv_heads, keys, 16), torch.randn(3, kv_heads, keys, 16)
+    starts = torch.tensor([0, 17, 30])
+    block = starts[:, None] + torch.arange(5)
+    verify = torch.arange(keys)[None, None, None, :] <= block[:, None, :, None]  # [3, 1, 5, L]
+    draft = (torch.arange(keys)[None, :] < (starts + 5)[:, None])[:, None, None, :]  # [3, 1, 1, L]
+    for visible in (verify, draft):
+        q = torch.randn(3, heads, 5, 16)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+        layers.FOLD_QUERY_GROUPS = True
+        try:
+            folded = layers.AttentionMask(visible, heads, kv_heads)
+        finally:
+            layers.FOLD_QUERY_GROUPS = None
+        assert folded.fold and folded.visible.shape[2] == visible.shape[2] * (3 if visible.shape[2] > 1 else 1)
+        torch.testing.assert_close(folded.attend(q, k, v), expected, rtol=1e-5, atol=1e-5)
+    q, k, v = torch.randn(1, heads, keys, 16), torch.randn(1, kv_heads, keys, 16), torch.randn(1, kv_heads, keys, 16)
+    causal = torch.ones(keys, keys, dtype=torch.bool).tril()[None, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
+    torch.testing.assert_close(layers.AttentionMask(None, heads, kv_heads).attend(q, k, v), expected)
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, "auto"])
+def test_folded_query_groups_are_lossless(tiny, block_size, monkeypatch):
+    """The engine with CUDA's folded attention, static shapes and padding rows, on a CPU: the target's own tokens."""
+    from dflash_runtime import layers
+    from test_verify_length import mixed_requests
+
+    monkeypatch.setattr(layers, "FOLD_QUERY_GROUPS", True)
+    target, drafter = load_pair(tiny)
+    params = mixed_requests() * 2
+    plain = SpeculativeEngine(target, block_size=1, max_batch_size=3, static_shapes=True).generate(PROMPTS * 2, params)
+    engine = SpeculativeEngine(target, drafter, block_size=block_size, max_batch_size=3, static_shapes=True)
+    seqs = engine.generate(PROMPTS * 2, params)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
+    monkeypatch.setattr(layers, "FOLD_QUERY_GROUPS", None)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in SpeculativeEngine(
+        target, block_size=1, max_batch_size=3).generate(PROMPTS * 2, params)]

@@ -66,3 +66,71 @@ def test_cuda_graphs_equal_eager_steps_and_auto(tiny):
     assert outputs[0] == outputs[1] == outputs[2]
     assert not runs[0].graphs.graphs and runs[1].graphs.graphs
 
+
+
+def test_graphs_are_captured_at_start_up_and_only_then(tiny):
+    """Every graph a step can need exists when the engine is built (the count its graph_keys plans, outputs
+    shared per pass), and serving mixed requests under block size auto captures nothing more."""
+    from test_verify_length import mixed_requests
+
+    target = load_target(tiny[0], device="cuda")
+    drafter = load_drafter(tiny[1], target.config, device="cuda")
+    engine = SpeculativeEngine(target, drafter, max_batch_size=4)
+    planned = engine.graph_keys()
+    assert set(engine.graphs.graphs) == set(planned) and engine.graphs.report.graphs == len(planned)
+    assert engine.graphs.report.pool_bytes > 0 and engine.graphs.report.seconds > 0
+    assert {name for name, _ in engine.graphs.buffers} == {"draft", "verify"}  # one set of outputs per pass
+    captures, timings = engine.graphs.captures, len(KERNEL_IS_FASTER)
+    engine.generate(PROMPTS * 3, mixed_requests() * 3)
+    assert engine.graphs.captures == captures and len(KERNEL_IS_FASTER) == timings
+
+
+def test_attention_runs_on_a_fused_sdpa_kernel_in_bfloat16(tiny):
+    """Prefill, decode, verify and draft attention each dispatch to flash, memory-efficient or cuDNN attention,
+    never the math kernel (bf16 upcast to float32, K/V expanded per head)."""
+    from dflash_runtime.layers import AttentionMask
+
+    target = load_target(tiny[0], dtype=torch.bfloat16, device="cuda")
+    drafter = load_drafter(tiny[1], target.config, dtype=torch.bfloat16, device="cuda")
+    found, attend = {}, AttentionMask.attend
+
+    def recording(mask, q, k, v):
+        kind = "prefill" if mask.visible is None else "decode" if q.shape[2] == 1 else "block"
+        found.setdefault(kind, set()).add(mask.backend(q, k, v))
+        return attend(mask, q, k, v)
+
+    AttentionMask.attend = recording
+    try:
+        engine = SpeculativeEngine(target, drafter, max_batch_size=4)
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=16))
+    finally:
+        AttentionMask.attend = attend
+    assert set(found) == {"prefill", "decode", "block"}
+    assert all("MATH" not in names for names in found.values()), found
+
+
+def test_bounds_checks_run_inside_captured_graphs(tiny):
+    """DFLASH_CHECK_BOUNDS=1 on CUDA: the engine captures its graphs (the check asserts on the device there)
+    and stays lossless."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(__file__))!r}]
+        from conftest import BLOCK, PROMPTS
+        from dflash_runtime import SamplingParams, SpeculativeEngine, load_drafter, load_target
+        target = load_target({str(tiny[0])!r}, device="cuda")
+        drafter = load_drafter({str(tiny[1])!r}, target.config, device="cuda")
+        params = SamplingParams(max_new_tokens=24)
+        engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=2)
+        dflash = [s.output_ids for s in engine.generate(PROMPTS, params)]
+        plain = SpeculativeEngine(target, block_size=1, max_batch_size=2).generate(PROMPTS, params)
+        plain = [s.output_ids for s in plain]
+        print("graphs", len(engine.graphs.graphs), "identical", dflash == plain)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DFLASH_CHECK_BOUNDS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert "identical True" in run.stdout and "graphs 0" not in run.stdout, run.stderr[-2000:]

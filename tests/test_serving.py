@@ -292,6 +292,8 @@ def test_restart_on_the_same_repository_and_shutdown_with_a_request_in_flight(de
     repository = default_build / "model_repository"
     with start_server(repository, 0, 0, 0, log_path=tmp_path / "first.log") as server:
         assert streamed_text(server.grpc_url, QUESTIONS[4], 24)[0] == in_process[QUESTIONS[4]]
+        # the engine's start-up report (on a GPU it counts the CUDA graphs captured)
+        assert "dflash: engine ready on cpu, max batch 8, context 2048: no CUDA graphs" in server.log()
     server = start_server(repository, 0, 0, 0, log_path=tmp_path / "second.log", drain_seconds=2)
     assert streamed_text(server.grpc_url, QUESTIONS[4], 24)[0] == in_process[QUESTIONS[4]]
     stream = Stream(server.grpc_url)

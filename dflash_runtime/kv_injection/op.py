@@ -45,10 +45,14 @@ def kv_injection(context: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.
 KERNEL_IS_FASTER: dict[tuple, bool] = {}  # (device, dtype, hidden, KV heads, head dim, token bucket) -> winner
 
 
+def token_bucket(tokens: int) -> int:
+    """The token counts one timing decides for: the next power of two."""
+    return 1 << max(0, tokens - 1).bit_length()
+
+
 def _kernel_is_faster(args: tuple) -> bool:
     context, cache_k = args[0], args[7]
-    tokens = 1 << max(0, len(context) - 1).bit_length()
-    key = (str(context.device), context.dtype, context.shape[1], *cache_k.shape[1::2], tokens)
+    key = (str(context.device), context.dtype, context.shape[1], *cache_k.shape[1::2], token_bucket(len(context)))
     if key not in KERNEL_IS_FASTER:
         if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: the kernel, undecided
             return True

@@ -18,6 +18,7 @@ from dflash_contract.presets import parse_block_size
 from dflash_contract.protocol import (FINISH_REASON, STATISTICS, config_type, error_class, invalid_request,
                                       response_statistics)
 from dflash_contract.server import drain_signal, drained_path, report_engine_failure
+from dflash_contract.versions import version_warning
 from dflash_runtime.pipeline import load_pipeline
 from dflash_runtime.verify_length import StepCosts
 from dflash_serving.engine_loop import EngineLoop, EngineStopped, QueueFull
@@ -30,6 +31,9 @@ LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 class TritonPythonModel:
     def initialize(self, args):
+        warning = version_warning("dflash")  # before loading: a failure there may come from it
+        if warning:
+            pb_utils.Logger.log_warn(warning)
         params = model_parameters(args)
         drafter = params["drafter_dir"]
         max_batch_size = int(json.loads(args["model_config"])["max_batch_size"])
@@ -49,7 +53,11 @@ class TritonPythonModel:
         reports = queue.SimpleQueue()
         self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put,
                                on_failure=self._engine_failed)
-        self.metrics = EngineMetrics(args["model_name"], args["model_version"], self.loop.engine.block_size, reports)
+        engine = self.loop.engine
+        graphs = str(engine.graphs.report) if engine.graphs.capture else "no CUDA graphs"
+        pb_utils.Logger.log_info(f"dflash: engine ready on {engine.device}, max batch {engine.scheduler.num_slots}, "
+                                 f"context {engine.max_context}: {graphs}")
+        self.metrics = EngineMetrics(args["model_name"], args["model_version"], engine.block_size, reports)
         self.in_flight = {}  # request id -> TritonStream, for `stop` requests
         drain = drain_signal()
         if drain is not None:
