@@ -15,6 +15,7 @@ autograd history keeps its activations alive for as long as the cache it wrote (
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ from .verify_length import StepCosts, VerifyLengthPolicy, device_signature, doub
 # Deferred context per sequence is written once it reaches this many tokens: features of a large target
 # are tens of KB per token, and "auto" may run hundreds of plain steps between drafts at a large batch.
 MAX_PENDING_CONTEXT = 64
+CACHE_ALIGNMENT = 16  # SDPA's memory-efficient kernel needs a mask's key axis in multiples of 16 elements
+
+
+def cache_capacity(max_context: int, block_size: int) -> int:
+    """KV cache rows per sequence: block positions run up to (max_context - 1) + (block_size - 1)."""
+    return -(-(max_context + block_size) // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
 
 
 class StepClock:
@@ -97,8 +104,7 @@ class SpeculativeEngine:
         self.max_context = min(max_context or 2048, target.config.max_position_embeddings)
         self.decode = decode
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
-        # block positions run up to (max_context - 1) + (block_size - 1)
-        capacity = self.max_context + block_size
+        capacity = cache_capacity(self.max_context, block_size)
         self.target_cache = target.new_cache(max_batch_size, capacity)
         self.draft_cache = self.drafter.new_cache(max_batch_size, capacity) if self.drafter else None
         self.feature_layers = self.drafter.config.target_layer_ids if self.drafter else ()
@@ -116,7 +122,7 @@ class SpeculativeEngine:
         adaptive = adaptive and self.drafter is not None
         self.verify_lengths = doubling(block_size) if adaptive else (block_size,)  # the k a step may verify
         self.policy = None
-        with torch.inference_mode():
+        with torch.inference_mode(), self._on_device():
             if on_cuda:
                 self._time_kv_injection()
             if self.graphs.capture:
@@ -165,26 +171,31 @@ class SpeculativeEngine:
         return seqs
 
     # -- one scheduling step ------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Admit and prefill waiting sequences, then one draft + verify pass for the running batch."""
-        self.last_step_seconds = dict.fromkeys(self.last_step_seconds, 0.0)
-        self.last_verify_length = None
-        outputs = [StepOutput(seq, self._commit(seq, self._prefill(seq))) for seq in self.scheduler.admit()]
-        batch = self.scheduler.batch()
-        if batch:
-            k = self._verify_length(batch)
-            stalls = self._stalls()
-            chosen = self._speculate(batch, k)
-            if self.policy is not None and self._stalls() == stalls:  # a stalled step would teach a false cost
-                seconds = self.last_step_seconds
-                self.policy.costs.observe(len(batch), k, seconds["draft"] + seconds["verify"])
-            for seq, (tokens, accepted) in zip(batch, chosen):
-                committed = self._commit(seq, tokens)
-                self._record(seq, accepted, k - 1, len(committed))
-                outputs.append(StepOutput(seq, committed, seq.stats.acceptance_lengths[-1]))
-            self.last_verify_length = k
-        return outputs
+        with torch.inference_mode(), self._on_device():
+            self.last_step_seconds = dict.fromkeys(self.last_step_seconds, 0.0)
+            self.last_verify_length = None
+            outputs = [StepOutput(seq, self._commit(seq, self._prefill(seq))) for seq in self.scheduler.admit()]
+            batch = self.scheduler.batch()
+            if batch:
+                k = self._verify_length(batch)
+                stalls = self._stalls()
+                chosen = self._speculate(batch, k)
+                if self.policy is not None and self._stalls() == stalls:  # a stalled step would teach a false cost
+                    seconds = self.last_step_seconds
+                    self.policy.costs.observe(len(batch), k, seconds["draft"] + seconds["verify"])
+                for seq, (tokens, accepted) in zip(batch, chosen):
+                    committed = self._commit(seq, tokens)
+                    self._record(seq, accepted, k - 1, len(committed))
+                    outputs.append(StepOutput(seq, committed, seq.stats.acceptance_lengths[-1]))
+                self.last_verify_length = k
+            return outputs
+
+    def _on_device(self):
+        """On CUDA, self.device as the current device: an engine on cuda:1 launches its kernels and graphs
+        there whatever device the calling thread has current."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _verify_length(self, batch: list[Sequence]) -> int:
         if self.policy is None:
@@ -290,12 +301,13 @@ class SpeculativeEngine:
     def _capture_graphs(self) -> None:
         """Capture every graph a step can need now, on dummy rows 0..R-1 (no sequence holds a slot yet;
         what the captures write into the caches is never read)."""
-        for key in self.graph_keys():
-            rows, k = key[1], key[2]
-            first = torch.zeros((rows, 1 if key[0] == "draft" else k), dtype=torch.long, device=self.device)
+        def dummy_inputs(name: str, rows: int, k: int) -> tuple[torch.Tensor, ...]:
+            first = torch.zeros((rows, 1 if name == "draft" else k), dtype=torch.long, device=self.device)
             starts = torch.zeros(rows, dtype=torch.long, device=self.device)
-            slots = torch.arange(rows, device=self.device)
-            self.graphs.capture_graph(key, self._pass(key, slice(0, rows)), (first, starts, slots))
+            return first, starts, torch.arange(rows, device=self.device)
+
+        self.graphs.capture_all((key, self._pass(key, slice(0, key[1])), dummy_inputs(*key[:3]))
+                                for key in self.graph_keys())
 
     def _time_kv_injection(self) -> None:
         """Let the KV-injection op time its kernel against the reference (op.py) now, for every token count

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -97,7 +97,7 @@ class StepGraphs:
         # torch's recipe: warm up on a side stream (lazy initialisation, autotuning), then capture.
         # The passes write the KV cache at the given positions; writing the same values again when
         # the graph replays is harmless.
-        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        start = time.perf_counter()
         static_inputs = [x.clone() for x in inputs]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -117,6 +117,17 @@ class StepGraphs:
         torch.cuda.synchronize()
         self.report.graphs += 1
         self.report.seconds += time.perf_counter() - start
+
+    def capture_all(self, graphs: Iterable[tuple[tuple, Callable, tuple[torch.Tensor, ...]]]) -> None:
+        """Capture every (key, fn, inputs) and count the device memory they keep. Counted around all of them,
+        not per graph: torch.cuda.graph empties the allocator's cache as it enters, which would make a
+        per-capture difference of reserved memory meaningless (even negative)."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
+        for key, fn, inputs in graphs:
+            self.capture_graph(key, fn, inputs)
+        torch.cuda.empty_cache()  # what is left reserved: the graphs' pool, their inputs and the shared outputs
         self.report.pool_bytes += torch.cuda.memory_reserved() - reserved
 
     def _output_views(self, name: str, outputs):

@@ -27,7 +27,7 @@ import torch
 
 from dflash_runtime.config import DrafterConfig, TargetConfig
 from dflash_runtime.drafter import DFlashDrafter
-from dflash_runtime.engine import SpeculativeEngine
+from dflash_runtime.engine import SpeculativeEngine, cache_capacity
 from dflash_runtime.layers import AttentionMask, prepare_for_inference
 from dflash_runtime.sampling import SamplingParams
 from dflash_runtime.target import TargetModel
@@ -116,7 +116,8 @@ def hf_seconds_per_token(hf, batch: int, new_tokens: int, prompt: int) -> float:
 
 
 def prompt_tokens(context: str, steps: int) -> int:
-    return PROMPT_TOKENS if context == "short" else LONG_CONTEXT - (steps + 3) * max(BLOCKS) - 1
+    # long: room for the warm-up and timed steps to accept a whole block each, and the last one's block
+    return PROMPT_TOKENS if context == "short" else LONG_CONTEXT - (steps + 4) * max(BLOCKS) - 1
 
 
 def step_seconds(engine: SpeculativeEngine, batch: int, steps: int, prompt: int) -> tuple[float, float, float]:
@@ -128,7 +129,7 @@ def step_seconds(engine: SpeculativeEngine, batch: int, steps: int, prompt: int)
             for _ in range(batch)]
     engine.step()  # the prefills
     draft, verify, whole = [], [], []
-    for _ in range(steps + 3):  # the first steps capture their graphs
+    for _ in range(steps + 3):  # the first steps warm up (the allocator, the first replays)
         sync(engine.device)
         start = time.perf_counter()
         engine.step()
@@ -182,7 +183,7 @@ def measure_shape(name: str, batch: int, context: str, steps: int, bandwidth: fl
     hf, target, drafter = models
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     # what an autoregressive step must read: the weights, and each sequence's K/V (its bucket of keys)
-    keys = 0 if context == "short" else LONG_CONTEXT + 1
+    keys = 0 if context == "short" else cache_capacity(LONG_CONTEXT, 1)  # the last length bucket: the capacity
     read_bytes = weight_bytes + batch * keys * kv_bytes_per_token(target)
     hf_s = hf_seconds_per_token(hf, batch, steps, prompt_tokens(context, steps))
     backends, graphs = {}, {}

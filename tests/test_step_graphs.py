@@ -10,6 +10,7 @@ import torch
 
 from conftest import BLOCK, PROMPTS, load_pair
 from dflash_runtime import SamplingParams, SpeculativeEngine
+from dflash_runtime.engine import cache_capacity
 from dflash_runtime.kv_cache import KVCache
 from dflash_runtime.step_graphs import MIN_LENGTH_BUCKET, StepGraphs, batch_bucket, length_bucket, length_buckets
 from test_verify_length import Cycle, mixed_requests
@@ -22,6 +23,8 @@ def test_buckets():
     assert length_buckets(2048 + 16) == (128, 256, 512, 1024, 2064)  # 2,048 is within 25 % of the capacity
     assert length_bucket(1000, 1040) == 1040 and length_bucket(500, 1040) == 512  # the capacity is the last
     assert length_buckets(100) == (100,)
+    # the capacity holds the last block and is a multiple of 16 (mem-efficient attention's mask alignment)
+    assert [cache_capacity(2048, k) for k in (1, 8, 16)] == [2064, 2064, 2064] and cache_capacity(2032, 16) == 2048
 
 
 def test_step_graphs_without_cuda_run_the_pass_itself():
