@@ -5,7 +5,7 @@ PIP := $(PY) -m pip -q
 PROMPT ?= Explain in three sentences why the sky is blue.
 BUILD ?= builds/smollm2-135m
 
-.PHONY: install demo test soak bench gpu-check gpu-rehearsal image-rehearsal drafter-data train-drafter clean
+.PHONY: install demo test soak bench genai-perf gpu-check gpu-rehearsal image-rehearsal drafter-data train-drafter clean
 
 install: $(VENV)/.installed
 
@@ -24,14 +24,20 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/tools/bin/python -m pip -q install checkov==3.3.30
 	touch $@
 
-# Build the embedded default, serve it with tritonserver (ports 8000-8002), stream one answer through
-# the gRPC client, stop the server (it drains first). The server log is $(BUILD)/server.log.
+# Build the embedded default, serve it with tritonserver (ports 8000-8002) and the OpenAI-compatible gateway
+# (9000), stream one answer through the gRPC client, ask the same through the official openai client, stop the
+# server (it drains first). The server log is $(BUILD)/server.log.
+OPENAI_CALL = from openai import OpenAI; c = OpenAI(base_url='http://localhost:9000/v1', api_key='-', max_retries=5); \
+	r = c.chat.completions.create(model=c.models.list().data[0].id, temperature=0, max_completion_tokens=64, \
+	messages=[{'role': 'user', 'content': open(0).read()}]); \
+	print('OpenAI API:', r.choices[0].message.content); print(r.usage)
 demo: install
 	$(PY) builder/build.py --output $(BUILD)
 	$(VENV)/bin/dflash-serve $(BUILD)/model_repository > $(BUILD)/server.log 2>&1 & server=$$!; \
 	trap 'kill -TERM $$server; wait $$server' EXIT; \
 	$(VENV)/bin/dflash-client health --url localhost:8001 --wait 600 && \
-	$(VENV)/bin/dflash-client generate --url localhost:8001 --prompt "$(PROMPT)"
+	$(VENV)/bin/dflash-client generate --url localhost:8001 --prompt "$(PROMPT)" && \
+	printf '%s' "$(PROMPT)" | $(PY) -c "$(OPENAI_CALL)"
 
 test: install
 	$(PY) -m pytest
@@ -43,6 +49,30 @@ soak: install
 
 bench: install
 	$(VENV)/bin/dflash-bench --prompts chat humaneval sharegpt --block-size auto 8 --num-prompts 4 --max-new-tokens 128
+
+# NVIDIA's genai-perf 0.0.16, unmodified, against the embedded default served by dflash-serve on free ports:
+# `ensemble` and `dflash_bls` over KServe gRPC (its tensorrtllm backend mode), concurrency 1, 2 and 8, streaming and
+# not, then one table (TTFT, ITL, throughput; dflash_tools/genai_perf.py, about 10 minutes on 2 cores); artifacts,
+# server log and summary.json in builds/genai-perf/. GENAI_PERF_ARGS="--output-tokens 48 ..." passes options on.
+# A venv of its own, $(VENV)/genai-perf: the perf_analyzer binary genai-perf drives comes from tritonclient, and
+# only tritonclient <= 2.52's build runs on this glibc (2.36; 2.53 on need 2.38) while .venv holds tritonclient
+# >= 2.51 for the clients. PyPI's perf-analyzer package is an empty placeholder. The binary also links
+# Debian's libb64 and libcudart.so.12, which PyPI's nvidia-cuda-runtime-cu12 brings (the script puts it on
+# LD_LIBRARY_PATH; no GPU is needed).
+GENAI_PERF_VENV := $(VENV)/genai-perf
+GENAI_PERF_ARGS ?=
+$(GENAI_PERF_VENV)/.installed:
+	python3 -m venv $(GENAI_PERF_VENV)
+	$(GENAI_PERF_VENV)/bin/python -m pip -q install --upgrade pip
+	$(GENAI_PERF_VENV)/bin/python -m pip -q install genai-perf==0.0.16 tritonclient==2.50.0 \
+		nvidia-cuda-runtime-cu12==12.9.79
+	touch $@
+
+genai-perf: install $(GENAI_PERF_VENV)/.installed
+	dpkg -s libb64-0d > /dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libb64-0d; }
+	$(PY) builder/build.py --output $(BUILD)
+	$(PY) -m dflash_tools.genai_perf --build $(BUILD) --genai-perf-venv $(GENAI_PERF_VENV) \
+		--artifacts builds/genai-perf $(GENAI_PERF_ARGS)
 
 # Every check that needs a CUDA GPU, in one run sized for a lent machine (meant to fit 10 minutes on an H200). It uses
 # that machine's own python3 (torch, transformers, triton, pytest; no venv, no network, no checkpoint): the GPU

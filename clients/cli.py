@@ -10,7 +10,7 @@ from dflash_contract.protocol import INVALID_REQUEST_PREFIX, invalid_request
 
 from .client import RetryPolicy
 from .errors import DFlashClientError, IncompleteResponse, InvalidRequest, ServerUnavailable
-from .params import GenerationParams
+from .params import GenerationParams, Prompt
 from .results import Generation
 from .sync import DFlashClient
 from .transport import TLS
@@ -71,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="print one JSON object (text, finish_reason, stats, timings) instead of streaming")
     chat = commands.add_parser(
         "chat", parents=[connection, sampling], help="chat in the terminal (interactive, or one-shot with --prompt)",
-        description="Chat in the terminal. Each turn is answered on its own: the server's chat template "
-                    "takes one user message, not a conversation.")
+        description="Chat in the terminal: the whole conversation so far (with the --system prompt) goes to the "
+                    "server each turn, which puts it in the model's chat template.")
     chat.add_argument("--prompt", help="answer this one message and exit")
+    chat.add_argument("--system", help="a system prompt at the start of the conversation")
     health = commands.add_parser("health", parents=[connection], help="exit 0 only when the server is ready",
                                  description="Check that the server is live and the `dflash_bls` model is ready.")
     health.add_argument("--wait", type=float, default=0, metavar="SECONDS",
@@ -115,8 +116,9 @@ def run_generate(client: DFlashClient, args) -> int:
 
 def run_chat(client: DFlashClient, args) -> int:
     params = params_from(args)
+    conversation = [{"role": "system", "content": args.system}] if args.system else []
     if args.prompt is not None:
-        stream_answer(client, args.prompt, params, chat=True)
+        stream_answer(client, [*conversation, {"role": "user", "content": args.prompt}], params, chat=True)
         return 0
     print(f"chatting with {args.url}; Ctrl-C stops an answer, Ctrl-D quits", file=sys.stderr)
     while True:
@@ -127,15 +129,18 @@ def run_chat(client: DFlashClient, args) -> int:
             return 0
         if not message:
             continue
+        turn = [*conversation, {"role": "user", "content": message}]
         try:
-            stream_answer(client, message, params, chat=True)
-        except KeyboardInterrupt:
+            answer = stream_answer(client, turn, params, chat=True)
+        except KeyboardInterrupt:  # a stopped answer is not part of the conversation
             print("\n[stopped]", file=sys.stderr)
         except InvalidRequest as e:  # a bad message is worth a new try, not an exit
             print(f"error: {e}", file=sys.stderr)
+        else:
+            conversation = [*turn, {"role": "assistant", "content": answer.text}]
 
 
-def stream_answer(client: DFlashClient, prompt: str, params: GenerationParams, chat: bool) -> Generation:
+def stream_answer(client: DFlashClient, prompt: Prompt, params: GenerationParams, chat: bool) -> Generation:
     """Print the deltas as they arrive, then a one-line summary on stderr."""
     with client.stream(prompt, params, chat=chat) as stream:
         try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from .errors import IncompleteResponse, RequestCancelled, RequestTimeout, ServerUnavailable
-from .params import GenerationParams, Prompt, prompt_text
+from .params import GenerationParams, Prompt, prompt_inputs
 from .results import Generation, Health, TextChunk, Timings
 from .transport import TLS, Protocol, Request, Response, open_transport
 
@@ -205,8 +205,7 @@ async def _prepend(first: Response, rest: AsyncIterator[Response]) -> AsyncItera
 
 
 def _request(prompt: Prompt, params: GenerationParams | None, chat: bool, stream: bool) -> Request:
-    text, apply_chat_template = prompt_text(prompt, chat)
-    return Request(text, apply_chat_template, params or GenerationParams(), stream)
+    return Request(prompt_inputs(prompt, chat), params or GenerationParams(), stream)
 
 
 def _joined(chunks: list[TextChunk]) -> str:

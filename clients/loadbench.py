@@ -7,7 +7,9 @@ first token (TTFT) and the inter-token latency (ITL) are measured as a backend s
 
 With --baseline-url (a build with `--drafter none`: the same engine decoding one token per pass),
 the levels alternate between the two servers (A B, B A, ...) so drifting machine load hits both
-alike, and the speedup is printed per level.
+alike, and the speedup is printed per level. With --openai-url (the same server's OpenAI-compatible
+gateway, HOST:PORT) the gateway joins the rotation, and its overhead over direct gRPC is printed
+per level (time to first token, throughput, identical texts).
 
 Output tokens are counted by re-tokenizing the returned text with the model's tokenizer (--tokenizer;
 the server returns text only). ITL spreads each streamed group's gap over its tokens (DFlash commits
@@ -31,6 +33,7 @@ import numpy as np
 
 from .client import AsyncDFlashClient
 from .errors import DFlashClientError
+from .openai_http import OpenAIHttpClient
 from .params import GenerationParams
 from .results import Generation
 
@@ -39,6 +42,9 @@ examples:
   # DFlash server against a baseline built with --drafter none, 3 concurrency levels, ShareGPT prompts
   dflash-loadbench --url localhost:8001 --baseline-url localhost:9001 --tokenizer builds/smollm2-135m/target \\
       --prompts sharegpt --num-prompts 32 --concurrency 1 4 8 --max-tokens 128 --json bench.json --plot bench.png
+  # the OpenAI gateway beside direct gRPC on one server (dflash-serve's --openai-port)
+  dflash-loadbench --url localhost:8001 --openai-url localhost:9000 --tokenizer builds/smollm2-135m/target \
+      --prompts chat --num-prompts 16 --concurrency 1 8
   # Poisson arrivals at 0.5, 1 and 2 requests/s, HumanEval prompts, over HTTP
   dflash-loadbench --url localhost:8000 --protocol http --tokenizer builds/smollm2-135m/target \\
       --prompts humaneval --request-rate 0.5 1 2
@@ -156,11 +162,24 @@ def compare(main: dict, baseline: dict) -> dict:
             "identical_texts": f"{same}/{len(main['per_request'])}"}
 
 
+def gateway_overhead(gateway: dict, grpc: dict) -> dict:
+    """What the OpenAI gateway adds to direct gRPC at one level: TTFT p50 in ms, and the throughput ratio."""
+    same = sum(a["text"] == b["text"] for a, b in zip(gateway["per_request"], grpc["per_request"])
+               if a["prompt"] == b["prompt"])
+    ttft = (gateway["ttft_s"]["p50"], grpc["ttft_s"]["p50"])
+    return {"ttft_p50_ms": round((ttft[0] - ttft[1]) * 1e3, 2) if None not in ttft else None,
+            "output_tokens_per_s": round(gateway["output_tokens_per_s"] / grpc["output_tokens_per_s"], 3)
+            if grpc["output_tokens_per_s"] else None,
+            "identical_texts": f"{same}/{len(grpc['per_request'])}"}
+
+
 async def run(args, workload: Workload, levels: list[Level], count_tokens: Callable[[str], int]) -> dict:
     from tqdm import tqdm
 
     servers = {"dflash": args.url, **({"baseline": args.baseline_url} if args.baseline_url else {})}
     clients = {name: AsyncDFlashClient(url, args.protocol, timeout=args.timeout) for name, url in servers.items()}
+    if args.openai_url:
+        clients["openai"] = OpenAIHttpClient(args.openai_url, args.openai_api_key, timeout=args.timeout)
     total = (len(levels) * len(workload.prompts) + args.warmup) * len(clients)
     results: dict[str, dict] = {}
     in_process = None
@@ -176,7 +195,7 @@ async def run(args, workload: Workload, levels: list[Level], count_tokens: Calla
                 progress.set_description("server vs in-process")
                 in_process = await server_vs_in_process(clients["dflash"], workload, args.in_process, count_tokens)
             for n, level in enumerate(levels):
-                order = list(clients) if n % 2 == 0 else list(clients)[::-1]  # A B, B A: drift hits both
+                order = list(clients) if n % 2 == 0 else list(clients)[::-1]  # A B, B A: drift hits all alike
                 row = results.setdefault(level.label, {"level": asdict(level)})
                 for name in order:
                     progress.set_description(f"{level.label} {name}")
@@ -184,10 +203,13 @@ async def run(args, workload: Workload, levels: list[Level], count_tokens: Calla
                     row[name] = summarize(outcomes, seconds, count_tokens)
                 if "baseline" in row:
                     row["speedup"] = compare(row["dflash"], row["baseline"])
+                if "openai" in row:
+                    row["gateway"] = gateway_overhead(row["openai"], row["dflash"])
     finally:
         for client in clients.values():
             await client.close()
-    return {"config": {"url": args.url, "baseline_url": args.baseline_url, "protocol": args.protocol,
+    return {"config": {"url": args.url, "baseline_url": args.baseline_url, "openai_url": args.openai_url,
+                       "protocol": args.protocol,
                        "prompts": args.prompts, "num_prompts": len(workload.prompts), "chat": workload.chat,
                        "params": asdict(workload.params), "warmup": args.warmup, "tokenizer": args.tokenizer},
             "server_vs_in_process": in_process, "levels": list(results.values())}
@@ -245,7 +267,7 @@ def table(summary: dict) -> str:
     lines = [header, "-" * len(header)]
     for row in summary["levels"]:
         label = Level(**row["level"]).label
-        for name in ("dflash", "baseline"):
+        for name in ("dflash", "baseline", "openai"):
             if name in row:
                 r = row[name]
                 ttft = "/".join(_fmt(r["ttft_s"][f"p{p}"]) for p in PERCENTILES)
@@ -258,6 +280,10 @@ def table(summary: dict) -> str:
             lines.append(f"{'':<12}{'speedup':<10}{'':>8}{_fmt(s['output_tokens_per_s'], suffix='x'):>11}"
                          f"{_fmt(s['ttft_p50'], suffix='x'):>22}{_fmt(s['itl_p50'], suffix='x'):>22}"
                          f"   identical texts {s['identical_texts']}")
+        if "gateway" in row:
+            g = row["gateway"]
+            lines.append(f"{'':<12}{'gateway':<10}{'':>8}{_fmt(g['output_tokens_per_s'], suffix='x'):>11}"
+                         f"{_fmt(g['ttft_p50_ms'], suffix=' ms'):>22}{'':>22}   identical texts {g['identical_texts']}")
     return "\n".join(lines)
 
 
@@ -275,7 +301,7 @@ def plot(summary: dict, path: str) -> None:
     x = [row["level"]["value"] for row in rows]
     kind = rows[0]["level"]["kind"]
     fig, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, style, color in (("dflash", "-", "C0"), ("baseline", "--", "C1")):  # line style: the server
+    for name, style, color in (("dflash", "-", "C0"), ("baseline", "--", "C1"), ("openai", ":", "C4")):  # line: server
         if name not in rows[0]:
             continue
         throughput.plot(x, [row[name]["output_tokens_per_s"] for row in rows], style, color=color, marker="o",
@@ -307,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", required=True, metavar="HOST:PORT", help="the DFlash server (gRPC port by default)")
     parser.add_argument("--baseline-url", metavar="HOST:PORT", help="a baseline server (build with --drafter none)")
+    parser.add_argument("--openai-url", metavar="HOST:PORT",
+                        help="also measure the server's OpenAI-compatible gateway (dflash-serve --openai-port)")
+    parser.add_argument("--openai-api-key", metavar="KEY", help="the gateway's API key, if it requires one")
     parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     parser.add_argument("--tokenizer", required=True, metavar="DIR",
                         help="the served model's tokenizer, to count output tokens: <build>/target")

@@ -6,6 +6,7 @@ them against the engine's SamplingParams). Stop strings follow dflash_contract.p
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
@@ -17,7 +18,7 @@ INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 
 # A chat message as in the OpenAI / Hugging Face chat formats: {"role": "user", "content": "..."}.
-Message = Mapping[str, str]
+Message = Mapping[str, object]
 Prompt = Union[str, Sequence[Message]]
 
 
@@ -30,13 +31,14 @@ class GenerationParams:
     seed: int | None = None  # same seed, same output (with or without the drafter)
     stop: tuple[str, ...] = ()  # stop strings: generation ends at the token completing one, which the text keeps
     end_id: int | None = None  # replaces the model's end-of-sequence ids (TensorRT-LLM semantics)
+    min_tokens: int = 0  # no stop (end of sequence, stop string) before this many tokens
 
     def __post_init__(self):
         # The tensor types bound what fits (INT32, UINT64); within them, the server's ranges.
-        for name in ("max_tokens", "top_k"):
+        for name in ("max_tokens", "top_k", "min_tokens"):
             value = getattr(self, name)
             _check(_is_int(value) and value <= INT32_MAX, f"{name} must be a 32-bit integer, got {value!r}")
-        for name in ("max_tokens", "temperature", "top_k", "top_p"):
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_tokens"):
             error = range_error(name, getattr(self, name))
             _check(error is None, error)
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= UINT64_MAX),
@@ -47,20 +49,19 @@ class GenerationParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must not be empty")
 
 
-def prompt_text(prompt: Prompt, chat: bool) -> tuple[str, bool]:
-    """(text_input, apply_chat_template) for the server.
+def prompt_inputs(prompt: Prompt, chat: bool) -> dict[str, object]:
+    """The front model's prompt inputs: text_input (with apply_chat_template), or a conversation as `messages`.
 
-    The server's chat template wraps text_input as ONE user message, so a conversation must be a
-    single user message for now; anything else is refused rather than silently flattened.
+    A str with chat becomes one user message in the model's chat template, on the server; a conversation
+    ([{"role": "system" | "user" | "assistant", "content": ...}, ...]) is always templated there. The server
+    checks every message and names the one it refuses.
     """
     if isinstance(prompt, str):
         _check(bool(prompt), "empty prompt")
-        return prompt, chat
-    roles = [m.get("role") for m in prompt]
-    _check(roles == ["user"], f"the server's chat template takes one user message, got roles {roles}")
-    content = prompt[0].get("content")
-    _check(isinstance(content, str) and bool(content), "empty prompt")
-    return content, True
+        return {"text_input": prompt, "apply_chat_template": chat}
+    messages = list(prompt)
+    _check(bool(messages), "empty conversation")
+    return {"messages": json.dumps(messages, ensure_ascii=False)}
 
 
 def _is_int(value) -> bool:

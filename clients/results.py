@@ -7,13 +7,15 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class SpeculationStats:
-    """The server's per-request DFlash counters (cumulative over the request)."""
+    """The server's per-request counters (cumulative over the request): speculation, and the token counts."""
 
     accepted_draft_tokens: int = 0
     draft_tokens: int = 0
     acceptance_rate: float = 0.0  # accepted / drafted
     draft_steps: int = 0  # verify passes
     mean_acceptance_length: float = 0.0  # tokens committed per verify pass (accepted drafts + 1), "tau"
+    prompt_tokens: int = 0  # the templated prompt's tokens
+    completion_tokens: int = 0  # generated so far
 
 
 @dataclass(frozen=True)

@@ -54,17 +54,17 @@ class TLS:
 
 @dataclass(frozen=True)
 class Request:
-    text: str
-    apply_chat_template: bool
+    prompt: dict[str, object]  # text_input and apply_chat_template, or messages (params.prompt_inputs)
     params: GenerationParams
     stream: bool  # one response per accepted group of tokens (text deltas), else one response
 
     def fields(self) -> dict[str, object]:
         """The front model's inputs by name; optional ones only when set."""
         p = self.params
-        fields = {"text_input": self.text, "max_tokens": p.max_tokens, "stream": self.stream,
-                  "apply_chat_template": self.apply_chat_template, "temperature": p.temperature,
+        fields = {**self.prompt, "max_tokens": p.max_tokens, "stream": self.stream, "temperature": p.temperature,
                   "top_k": p.top_k, "top_p": p.top_p}
+        if p.min_tokens:
+            fields["min_tokens"] = p.min_tokens
         if p.seed is not None:
             fields["seed"] = p.seed
         if p.end_id is not None:

@@ -29,9 +29,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_contract import DFlashError
+from dflash_contract.layout import read_manifest
 from dflash_contract.server import (ABORT_SECONDS, DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S,
-                                    EXIT_TIMEOUT_S, FAILURE_FILE_ENV, FLUSH_SECONDS, HEALTH_CHECK_SECONDS, METRICS_PATH,
-                                    NOT_READY_CHECKS, PORTS, READY_PATH, UNHEALTHY_EXIT_CODE, drained_path)
+                                    EXIT_TIMEOUT_S, FAILURE_FILE_ENV, FLUSH_SECONDS, GATEWAY_HEALTH_PATH,
+                                    HEALTH_CHECK_SECONDS, METRICS_PATH, NOT_READY_CHECKS, OPENAI_API_KEY_ENV, PORTS,
+                                    READY_PATH, UNHEALTHY_EXIT_CODE, drained_path)
 from dflash_contract.versions import version_warning
 
 DRAIN_FILE = "draining"
@@ -141,6 +144,72 @@ def backend_processes(server_pid: int) -> list[BackendProcess]:
 
 
 @dataclass
+class Gateway:
+    """The OpenAI-compatible gateway (the `gateway` package), a process of its own beside tritonserver: no
+    torch in it, and its death is seen like a backend's."""
+
+    process: subprocess.Popen
+    url: str  # http://HOST:PORT
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop_accepting(self) -> None:
+        """SIGTERM: uvicorn stops accepting and lets open requests finish (up to its graceful seconds)."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float) -> None:
+        self.stop_accepting()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, graceful_seconds: float,
+                  timeout: float = 60) -> Gateway:
+    """Start the gateway on `port` (0: a free one) for the tritonserver at grpc_url, and wait until it serves."""
+    env = {k: v for k, v in os.environ.items() if k != OPENAI_API_KEY_ENV}
+    if api_key:
+        env[OPENAI_API_KEY_ENV] = api_key  # not in argv, where ps would show it
+    command = [sys.executable, "-m", "gateway.main", "--triton-url", grpc_url, "--model-id", model_id,
+               "--port", str(port), "--graceful-seconds", str(graceful_seconds)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline()  # "dflash-gateway: listening on http://HOST:PORT ...", or nothing if it died
+    if "listening on http://" not in line:
+        process.kill()
+        process.wait()
+        raise ServeError(f"the OpenAI gateway did not start (exit code {process.returncode}): {line.strip()}")
+    print(line, end="", flush=True)
+    # its later output goes where ours does
+    threading.Thread(target=lambda: [print(out, end="", flush=True) for out in process.stdout], daemon=True).start()
+    bound_port = int(line.split("listening on http://", 1)[1].split()[0].rsplit(":", 1)[1])
+    gateway = Gateway(process, f"http://localhost:{bound_port}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and gateway.alive():
+        try:
+            with urllib.request.urlopen(gateway.url + GATEWAY_HEALTH_PATH, timeout=2) as r:
+                if r.status == 200:
+                    return gateway
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    gateway.stop(5)
+    raise ServeError(f"the OpenAI gateway at {gateway.url} did not answer {GATEWAY_HEALTH_PATH} within {timeout:.0f} s")
+
+
+def model_id(repository: Path) -> str:
+    """The id the gateway serves the build under: the target preset's name, else the target directory's name
+    (from the build's manifest, beside the repository); without one, the build folder's name."""
+    try:
+        return read_manifest(repository.parent).model_id
+    except DFlashError:
+        return repository.parent.name
+
+
+@dataclass
 class TritonServer:
     """A running tritonserver process and where to reach it."""
 
@@ -150,6 +219,7 @@ class TritonServer:
     runtime_dir: Path  # the drain file (and the bundled server's backends); removed on stop
     drain_seconds: float = DRAIN_SECONDS
     backends: list[BackendProcess] = field(default_factory=list)  # watched once the server is ready
+    gateway: Gateway | None = None  # the OpenAI-compatible gateway, when started
     _not_ready_checks: int = 0
 
     @property
@@ -185,6 +255,8 @@ class TritonServer:
         """Why this server can serve no more (dflash_contract.server: the health watch), or None."""
         if self.failure_file.exists():
             return f"the dflash engine stopped ({self.failure_file.read_text(errors='replace')})"
+        if self.gateway is not None and not self.gateway.alive():
+            return f"the OpenAI gateway exited (code {self.gateway.process.returncode})"
         dead = [b for b in self.backends if not b.alive()]
         if dead:
             return "; ".join(f"the backend process of model {b.model!r} (pid {b.pid}) died" for b in dead)
@@ -210,7 +282,10 @@ class TritonServer:
         raise ServeError(f"tritonserver was not ready after {timeout:.0f} s" + self._log_hint())
 
     def shut_down(self) -> None:
-        """Drain (requests finish, or end with an error after drain_seconds), then SIGTERM tritonserver."""
+        """Drain (requests finish, or end with an error after drain_seconds), then SIGTERM tritonserver. The
+        gateway stops accepting first and exits once its open requests ended with the drain."""
+        if self.gateway is not None:
+            self.gateway.stop_accepting()
         drain_file = self.runtime_dir / DRAIN_FILE
         drain_file.touch()
         # the dflash model says when it has no request left; metrics gauges lag behind it
@@ -218,6 +293,8 @@ class TritonServer:
         while time.monotonic() < deadline and self.process.poll() is None and not drained_path(drain_file).exists():
             time.sleep(0.25)
         time.sleep(FLUSH_SECONDS)
+        if self.gateway is not None:
+            self.gateway.stop(FLUSH_SECONDS + DRAIN_SLACK_S)
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
 
@@ -240,6 +317,8 @@ class TritonServer:
             self.failure_file.write_text(cause)
         if self.process.poll() is None:
             time.sleep(FLUSH_SECONDS)  # for those final errors to leave
+            if self.gateway is not None:
+                self.gateway.stop(FLUSH_SECONDS)
             self.process.send_signal(signal.SIGTERM)  # it stops listening at once: probes and clients see it
             try:
                 self.process.wait(ABORT_SECONDS)
@@ -250,6 +329,8 @@ class TritonServer:
         return self.process.returncode
 
     def _clean_up(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop(ABORT_SECONDS)
         self._reap_group()
         for backend in self.backends:  # a killed server's backends never removed their shared memory
             if "/" not in backend.shm_region:
@@ -302,8 +383,10 @@ def stage_trtllm_repository(repository: Path, runtime: Path, model_code: Path = 
 def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_port: int = PORTS["grpc"],
                  metrics_port: int = PORTS["metrics"], log_path: Path | None = None, log_verbose: int = 0,
                  ready_timeout: float = 300, drain_seconds: float = DRAIN_SECONDS,
-                 trtllm_model_code: Path = TRTLLM_MODEL_CODE) -> TritonServer:
-    """Start tritonserver on `repository` and wait until it is ready. Port 0 picks a free port."""
+                 trtllm_model_code: Path = TRTLLM_MODEL_CODE, openai_port: int | None = None,
+                 openai_api_key: str | None = None) -> TritonServer:
+    """Start tritonserver on `repository` and wait until it is ready, then the OpenAI gateway on openai_port
+    (None: no gateway). Port 0 picks a free port."""
     repository = Path(repository).resolve()
     if not repository.is_dir():
         raise ServeError(f"model repository {repository} does not exist (build one with builder/build.py)")
@@ -317,6 +400,7 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
         raise
     env = {**os.environ, DRAIN_FILE_ENV: str(runtime / DRAIN_FILE), DRAIN_SECONDS_ENV: str(drain_seconds),
            FAILURE_FILE_ENV: str(runtime / FAILURE_FILE)}
+    env.pop(OPENAI_API_KEY_ENV, None)  # the gateway's alone: the models' processes have no use for it
     binary = shutil.which("tritonserver")
     backend_args = []
     if binary is None:
@@ -341,6 +425,9 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     server = TritonServer(process, ports, log_path, runtime, drain_seconds)
     try:
         server.wait_ready(ready_timeout)
+        if openai_port is not None:
+            server.gateway = start_gateway(server.grpc_url, model_id(repository), openai_port, openai_api_key,
+                                           drain_seconds + DRAIN_SLACK_S)
     except BaseException:  # also SIGINT/SIGTERM while models load: never leave tritonserver behind
         process.kill()
         process.wait()
@@ -379,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                     "ready, and keep serving until interrupted (SIGINT/SIGTERM drain in-flight requests).",
         epilog="examples:\n"
                "  dflash-serve builds/smollm2-135m/model_repository\n"
-               "  dflash-serve REPO --grpc-port 0 --http-port 0 --metrics-port 0   # free ports, printed once ready\n\n"
+               "  dflash-serve REPO --grpc-port 0 --http-port 0 --metrics-port 0 --openai-port 0   # free ports, "
+               "printed once ready\n\n"
                "GPU: in nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 the same command uses the container's "
                "tritonserver and backends.\n\n"
                "While serving it watches the models' backend processes, the engine and Triton's readiness every "
@@ -392,6 +480,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=PORTS["http"], help="0 = pick a free port")
     parser.add_argument("--grpc-port", type=int, default=PORTS["grpc"], help="0 = pick a free port")
     parser.add_argument("--metrics-port", type=int, default=PORTS["metrics"], help="0 = pick a free port")
+    parser.add_argument("--openai-port", type=int, default=PORTS["openai"],
+                        help="the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models); "
+                             "0 = pick a free port")
+    parser.add_argument("--no-openai", action="store_true", help="serve without the OpenAI-compatible API")
+    parser.add_argument("--openai-api-key", default=os.environ.get(OPENAI_API_KEY_ENV) or None,
+                        help=f"require this bearer token on the OpenAI API (default: ${OPENAI_API_KEY_ENV}; unset: "
+                             "no key)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbosity (0 = info)")
     parser.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for readiness")
     parser.add_argument("--trtllm-model-code", type=Path, default=TRTLLM_MODEL_CODE,
@@ -405,11 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = start_server(args.repository, args.http_port, args.grpc_port, args.metrics_port,
                               log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
-                              trtllm_model_code=args.trtllm_model_code)
+                              trtllm_model_code=args.trtllm_model_code,
+                              openai_port=None if args.no_openai else args.openai_port,
+                              openai_api_key=args.openai_api_key)
     except ServeError as e:
         print(f"dflash-serve: {e}", file=sys.stderr)
         return 1
-    print(f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}", flush=True)
+    openai = f"  openai {server.gateway.url}/v1" if server.gateway else ""
+    print(f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}{openai}", flush=True)
     # the drain takes seconds: run it beside the main thread, which keeps waiting for the process
     shutdown = threading.Thread(target=server.shut_down, daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import DFlashError
+from .presets import PRESETS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = REPO_ROOT / "model_repository"  # the Triton model templates a build renders
@@ -49,6 +50,13 @@ class BuildManifest:
     @property
     def options(self) -> dict:
         return self.data["options"]
+
+    @property
+    def model_id(self) -> str:
+        """The name clients call the build by (the OpenAI API's model id): its target preset, or the target
+        directory's name."""
+        target = self.options["target"]
+        return target if target in PRESETS else Path(target).name
 
 
 def read_manifest(build: str | Path) -> BuildManifest:

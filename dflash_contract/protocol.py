@@ -11,10 +11,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Front-model inputs: name -> Triton data type (on the wire). REQUIRED_INPUTS below are required.
+# tensorrtllm_backend's optional inputs that its clients send (NVIDIA's genai-perf sends the first one to every
+# model): name -> (wire type, the one value we serve, what it asks for). Declared so that such requests reach us;
+# any other value asks for what the engine does not do and is refused, naming the input: never ignored.
+# (The neutral values are TensorRT-LLM's: executor.h's SamplingConfig.)
+FIXED_INPUTS = {
+    "exclude_input_in_output": ("BOOL", True, "responses carry only the generated text"),
+    "beam_width": ("INT32", 1, "no beam search"),
+    "num_return_sequences": ("INT32", 1, "one sequence per request"),
+    "return_log_probs": ("BOOL", False, "no log probabilities"),
+    "return_context_logits": ("BOOL", False, "no logits"),
+    "return_generation_logits": ("BOOL", False, "no logits"),
+    "repetition_penalty": ("FP32", 1.0, "no penalties"),
+    "presence_penalty": ("FP32", 0.0, "no penalties"),
+    "frequency_penalty": ("FP32", 0.0, "no penalties"),
+    "length_penalty": ("FP32", None, "beam search only"),  # None: any value, which one beam never uses
+}
+# Front-model inputs: name -> Triton data type (on the wire). A request carries exactly one of PROMPT_INPUTS,
+# and the REQUIRED_INPUTS below.
 FRONT_INPUTS = {
     "text_input": "BYTES",
+    # a conversation, JSON in OpenAI's shape: [{"role": "system" | "user" | "assistant", "content": str or
+    # [{"type": "text", "text": str}, ...]}, ...], put in the target's chat template with the generation prompt
+    "messages": "BYTES",
     "max_tokens": "INT32",
+    "min_tokens": "INT32",  # no stop (end-of-sequence ids, stop words) before this many tokens
+    "min_length": "INT32",  # the older name of min_tokens (genai-perf 0.0.16 sends it)
     "stream": "BOOL",
     "temperature": "FP32",
     "top_k": "INT32",
@@ -26,10 +48,13 @@ FRONT_INPUTS = {
     "stop_words": "BYTES",
     "bad_words": "BYTES",
     "apply_chat_template": "BOOL",
+    **{name: data_type for name, (data_type, _, _) in FIXED_INPUTS.items()},
 }
+PROMPT_INPUTS = ("text_input", "messages")
+MESSAGE_ROLES = ("system", "user", "assistant")
 # What the front model passes on to the `dflash` engine model unchanged (text goes through preprocessing).
-ENGINE_INPUTS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "random_seed", "end_id", "pad_id",
-                 "stop_words", "bad_words")
+ENGINE_INPUTS = ("max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p", "seed", "random_seed",
+                 "end_id", "pad_id", "stop_words", "bad_words")
 # `dflash` model outputs besides the statistics: a window of token ids and how many were shown before.
 TOKEN_OUTPUTS = ("output_ids", "read_offset")
 FINISH_REASON = "finish_reason"  # BYTES: "" while running, then "stop", "length" or "cancelled"
@@ -42,19 +67,25 @@ class Statistic:
     field: str  # its name in response_statistics() and in the clients' SpeculationStats
 
 
-# Per-request statistics, cumulative over the request, in every response of `dflash` and the front models.
+# Per-request counts, cumulative over the request, in every response of `dflash` and the front models: the
+# speculation statistics, and the prompt's and the output's tokens (usage, exact: the server's own tokens).
 STATISTICS = (
     Statistic("total_accepted_draft_tokens", "INT32", "accepted_draft_tokens"),
     Statistic("total_draft_tokens", "INT32", "draft_tokens"),
     Statistic("acceptance_rate", "FP32", "acceptance_rate"),  # accepted / drafted
     Statistic("draft_steps", "INT32", "draft_steps"),  # verify passes
     Statistic("mean_acceptance_length", "FP32", "mean_acceptance_length"),  # accepted drafts + 1 per pass: tau
+    Statistic("num_input_tokens", "INT32", "prompt_tokens"),  # the templated prompt's tokens
+    Statistic("num_output_tokens", "INT32", "completion_tokens"),  # tokens generated so far
 )
 
 
-def response_statistics(draft_steps: int, accepted_draft_tokens: int, draft_tokens: int) -> dict[str, float | int]:
+def response_statistics(draft_steps: int, accepted_draft_tokens: int, draft_tokens: int, prompt_tokens: int,
+                        completion_tokens: int) -> dict[str, float | int]:
     """The STATISTICS values of a request (by field), from the engine's counts."""
     return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
         "accepted_draft_tokens": accepted_draft_tokens,
         "draft_tokens": draft_tokens,
         "acceptance_rate": accepted_draft_tokens / draft_tokens if draft_tokens else 0.0,
@@ -68,10 +99,10 @@ def config_type(data_type: str) -> str:
     return "TYPE_STRING" if data_type == "BYTES" else f"TYPE_{data_type}"
 
 
-# Front-model inputs every request must carry. The configs mark them optional on purpose: Triton only
-# counts a request's inputs, so a request without text_input but with two other inputs passed its check
+# Front-model inputs every request must carry (and one of PROMPT_INPUTS). The configs mark them optional on purpose:
+# Triton only counts a request's inputs, so a request without text_input but with two other inputs passed its check
 # and an ensemble then skipped its steps and answered an empty success. Checked by the models instead.
-REQUIRED_INPUTS = ("text_input", "max_tokens")
+REQUIRED_INPUTS = ("max_tokens",)
 # The numeric inputs' ranges: name -> (test, the rule in words). NaN fails every comparison, so it is
 # refused too. Values a tensor type cannot hold (INT32, UINT64) never reach a model: Triton refuses them.
 RANGES = {
@@ -79,7 +110,11 @@ RANGES = {
     "temperature": (lambda v: v >= 0, ">= 0"),
     "top_k": (lambda v: v >= 0, ">= 0"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "min_tokens": (lambda v: v >= 0, ">= 0"),
+    "min_length": (lambda v: v >= 0, ">= 0"),
 }
+# Inputs under two names (tensorrtllm_backend renamed them in 2025.05): current name -> older name
+ALIASES = {"seed": "random_seed", "min_tokens": "min_length"}
 
 
 def range_error(name: str, value) -> str | None:

@@ -9,7 +9,10 @@ import math
 import os
 from pathlib import Path
 
-PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+# openai: the OpenAI-compatible gateway (dflash_gateway) beside tritonserver; 9000 is Triton's own OpenAI frontend's
+PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "openai": 9000}
+GATEWAY_HEALTH_PATH = "/health"  # 200 only while tritonserver is ready
+OPENAI_API_KEY_ENV = "DFLASH_OPENAI_API_KEY"  # the gateway's API key, when one is required
 READY_PATH = "/v2/health/ready"
 LIVE_PATH = "/v2/health/live"
 METRICS_PATH = "/metrics"

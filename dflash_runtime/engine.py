@@ -228,6 +228,7 @@ class SpeculativeEngine:
                                        last_only=True, rows=slice(seq.slot, seq.slot + 1), length=n, causal=True)
         self._keep_context(features, positions, slots, self._to_device([n]))
         clock.mark()
+        self._hold_stop_tokens(logits, [seq], [0])
         first = choose_tokens(logits[0], seq.params, n)  # reads the device: the clock's marks are done
         seconds, = clock.intervals()
         seq.stats.verify_seconds += seconds
@@ -254,6 +255,7 @@ class SpeculativeEngine:
         clock.mark()
         key = ("verify", len(row_slots), k, self._length(context + k))
         logits, features = self.graphs.run(key, self._pass(key, rows), block, starts, slots)
+        self._hold_stop_tokens(logits, batch, row_of)
         chosen = self._choose(logits, batch, row_of)
         accepted = (block[:, 1:] == chosen[:, :-1]).cumprod(dim=1).sum(dim=1)
         # block[0..a] are now committed context; the bonus token's K/V comes with the next block
@@ -343,6 +345,21 @@ class SpeculativeEngine:
         positions = starts[:, None] + self.offsets[:block.shape[1]]
         return self.target(block, positions, self.target_cache, slots, self.feature_layers, rows=rows, length=length)
 
+    def _hold_stop_tokens(self, logits: torch.Tensor, batch: list[Sequence], row_of: list[int]) -> None:
+        """min_new_tokens: a sequence's stop ids get no probability at the block positions before its
+        min_new_tokens-th token (in place: logits [R, k, V] are the pass's own). The target's own decoding
+        under the same rule gives the same tokens, so speculation stays lossless (TensorRT-LLM's min_length
+        bans the end id the same way)."""
+        index = [(row, j, token) for seq, row in zip(batch, row_of)
+                 for j in range(min(logits.shape[1], seq.params.min_new_tokens - len(seq.output_ids)))
+                 for token in self._stop_ids(seq.params)]
+        if index:
+            rows, positions, tokens = self._to_device(list(zip(*index)))
+            logits[rows, positions, tokens] = float("-inf")
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        return frozenset(params.stop_token_ids) if params.ignore_eos else self.eos_token_ids.union(params.stop_token_ids)
+
     def _choose(self, logits: torch.Tensor, batch: list[Sequence], row_of: list[int]) -> torch.Tensor:
         """The target's token at each block position, [R, k] on the device: the argmax for greedy rows, for
         the others a sample drawn there with the request's parameters and (seed, position) uniforms."""
@@ -419,10 +436,11 @@ class SpeculativeEngine:
     def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append tokens up to the first stop condition, finishing `seq` there; returns what was appended."""
         p = seq.params
-        stop_ids = p.stop_token_ids if p.ignore_eos else self.eos_token_ids.union(p.stop_token_ids)
+        stop_ids = self._stop_ids(p)
         for n, token in enumerate(tokens, 1):
             seq.output_ids.append(token)
-            if token in stop_ids or (p.stop_strings and self._matches_stop_string(seq)):
+            stops = len(seq.output_ids) > p.min_new_tokens  # before, none applies (stop ids could not be chosen)
+            if stops and (token in stop_ids or (p.stop_strings and self._matches_stop_string(seq))):
                 self.scheduler.finish(seq, "stop")
             elif len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_context:
                 self.scheduler.finish(seq, "length")

@@ -21,6 +21,7 @@ _MASK64 = (1 << 64) - 1
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # until then no stop applies: stop ids are never chosen, stop strings wait
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -32,6 +33,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise DFlashError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise DFlashError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if not self.temperature >= 0:  # also rejects NaN
             raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

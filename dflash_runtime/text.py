@@ -17,15 +17,20 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
-    """Token ids of a prompt; with chat, `text` is a user message wrapped in the chat template."""
-    if not text:
+def encode_prompt(tokenizer, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
+    """Token ids of a prompt: raw text, or with chat a conversation ([{"role", "content"}]; a str is one user
+    message) in the model's chat template, ending with the assistant's generation prompt. Without a chat
+    template a str is encoded raw and a conversation is refused."""
+    if not prompt:
         raise DFlashError("empty prompt")
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(text)
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(prompt, str) and not (chat and template):
+        return tokenizer.encode(prompt)
+    if not template:
+        raise DFlashError("this model's tokenizer has no chat template: send the prompt as text")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def decode(tokenizer, ids: list[int]) -> str:

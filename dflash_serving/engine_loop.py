@@ -43,6 +43,8 @@ class Chunk:
     finished: bool
     finish_reason: str | None
     stats: SamplingStats
+    prompt_tokens: int
+    output_tokens: int  # so far
 
 
 class Stream(Protocol):
@@ -239,7 +241,8 @@ class EngineLoop:
         if not request.streaming and not seq.finished:
             return
         window, read_offset = token_window(seq.output_ids, request.shown)
-        chunk = Chunk(window, read_offset, seq.finished, seq.finish_reason, seq.stats)
+        chunk = Chunk(window, read_offset, seq.finished, seq.finish_reason, seq.stats, len(seq.prompt_ids),
+                      len(seq.output_ids))
         request.shown = len(seq.output_ids)
         try:
             request.stream.send(chunk)

@@ -6,34 +6,78 @@ messages name the field; the models send them as INVALID_ARG errors (dflash_cont
 """
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 import numpy as np
 
 from dflash_contract import DFlashError
-from dflash_contract.protocol import FRONT_INPUTS, REQUIRED_INPUTS, range_error
+from dflash_contract.protocol import (ALIASES, FIXED_INPUTS, FRONT_INPUTS, MESSAGE_ROLES, PROMPT_INPUTS,
+                                      REQUIRED_INPUTS, range_error)
 from dflash_runtime.sampling import SamplingParams
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
 NUMERIC_INPUTS = tuple(name for name, data_type in FRONT_INPUTS.items() if data_type != "BYTES")
 
 
-def parse_front_request(tensor: TensorGetter) -> tuple[str, bool]:
-    """(prompt text, apply the chat template?) of a front-model request, after checking all its inputs.
+def parse_front_request(tensor: TensorGetter) -> tuple[str | list[dict[str, str]], bool]:
+    """(prompt, apply the chat template?) of a front-model request, after checking all its inputs: the prompt is
+    text_input's text, or the conversation in `messages` (always templated), as [{"role", "content": str}].
 
     The preprocessing model runs this for both front models (it is the ensemble's first step and
     dflash_bls's first call), so both refuse the same requests with the same messages.
     """
+    given = [name for name in PROMPT_INPUTS if tensor(name) is not None]
+    if len(given) != 1:
+        raise DFlashError("send one of text_input and messages" if given else "text_input (or messages) is required")
     for name in REQUIRED_INPUTS:
         if tensor(name) is None:
             raise DFlashError(f"{name} is required")
-    text = utf8("text_input", scalar(tensor, "text_input"))
+    text = utf8(given[0], scalar(tensor, given[0]))
+    check_numbers(tensor)
+    check_fixed(tensor)
+    aliased(tensor, "seed")
+    aliased(tensor, "min_tokens")
+    check_words(tensor)
+    if given == ["messages"]:
+        return parse_messages(text), True
     if not text:
         raise DFlashError("text_input must not be empty")
-    check_numbers(tensor)
-    request_seed(tensor)
-    check_words(tensor)
     return text, bool(scalar(tensor, "apply_chat_template", False))
+
+
+def parse_messages(raw: str) -> list[dict[str, str]]:
+    """A conversation in OpenAI's shape (dflash_contract.protocol: messages) as [{"role", "content": str}];
+    DFlashError naming the field for anything else."""
+    try:
+        messages = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"messages: not JSON ({e})") from None
+    if not isinstance(messages, list) or not messages:
+        raise DFlashError("messages must be a non-empty JSON list of {\"role\", \"content\"} objects")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, message) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise DFlashError(f"{where} must be an object with role and content")
+    unknown = sorted(set(message) - {"role", "content"})
+    if unknown:
+        raise DFlashError(f"{where}.{unknown[0]} is not supported (a message has role and content)")
+    role, content = message.get("role"), message.get("content")
+    if role not in MESSAGE_ROLES:
+        raise DFlashError(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise DFlashError(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                  f"are supported, got {kind!r}")
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise DFlashError(f"{where}.content must be a string or a list of text parts")
+    return {"role": role, "content": content}
 
 
 def parse_engine_request(tensor: TensorGetter) -> tuple[list[int], SamplingParams, bool]:
@@ -44,21 +88,34 @@ def parse_engine_request(tensor: TensorGetter) -> tuple[list[int], SamplingParam
     if tensor("max_tokens") is None:
         raise DFlashError("max_tokens is required")
     check_numbers(tensor)
-    seed = request_seed(tensor)
     check_words(tensor)
     end_id = scalar(tensor, "end_id")
     params = SamplingParams(
         max_new_tokens=int(scalar(tensor, "max_tokens")),
+        min_new_tokens=aliased(tensor, "min_tokens") or 0,
         temperature=float(scalar(tensor, "temperature", 0.0)),
         top_k=int(scalar(tensor, "top_k", 0)),
         top_p=float(scalar(tensor, "top_p", 1.0)),
-        seed=seed,
+        seed=aliased(tensor, "seed"),
         # end_id replaces the model's end-of-sequence ids, as in TensorRT-LLM
         stop_token_ids=(int(end_id),) if end_id is not None else (),
         ignore_eos=end_id is not None,
         stop_strings=tuple(strings(tensor, "stop_words")),
     )
     return ids[0].tolist(), params, bool(scalar(tensor, "stream", False))
+
+
+def check_fixed(tensor: TensorGetter) -> None:
+    """tensorrtllm_backend's inputs we serve at one value only (dflash_contract.protocol.FIXED_INPUTS)."""
+    for name, (_, value, meaning) in FIXED_INPUTS.items():
+        given = scalar(tensor, name)
+        if given is not None and value is not None and given != value:
+            raise DFlashError(f"{name}={_literal(given)} is not supported ({meaning}; send {_literal(value)} or "
+                              "leave it out)")
+
+
+def _literal(value) -> str:
+    return str(value).lower() if isinstance(value, (bool, np.bool_)) else f"{value:g}"
 
 
 def check_numbers(tensor: TensorGetter) -> None:
@@ -70,13 +127,13 @@ def check_numbers(tensor: TensorGetter) -> None:
             raise DFlashError(error)
 
 
-def request_seed(tensor: TensorGetter) -> int | None:
-    """The seed, from `seed` or its older name `random_seed`; refused when the two disagree."""
-    seed, legacy_seed = scalar(tensor, "seed"), scalar(tensor, "random_seed")
-    if seed is not None and legacy_seed is not None and legacy_seed != seed:
-        raise DFlashError("seed and random_seed differ: send one of them")
-    seed = legacy_seed if seed is None else seed
-    return None if seed is None else int(seed)
+def aliased(tensor: TensorGetter, name: str) -> int | None:
+    """An input sent under its name or its older one (protocol.ALIASES); refused when the two disagree."""
+    value, older = scalar(tensor, name), scalar(tensor, ALIASES[name])
+    if value is not None and older is not None and older != value:
+        raise DFlashError(f"{name} and {ALIASES[name]} differ: send one of them")
+    value = older if value is None else value
+    return None if value is None else int(value)
 
 
 def check_words(tensor: TensorGetter) -> None:

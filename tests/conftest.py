@@ -130,9 +130,9 @@ def default_build(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_server(default_build, tmp_path_factory):
-    """A real tritonserver on the default build, on free ports; its log goes to a temp file."""
+    """A real tritonserver on the default build, with the OpenAI gateway, on free ports; its log goes to a temp file."""
     from deploy.serve import start_server
 
     log = tmp_path_factory.mktemp("server") / "tritonserver.log"
-    with start_server(default_build / "model_repository", 0, 0, 0, log_path=log) as server:
+    with start_server(default_build / "model_repository", 0, 0, 0, log_path=log, openai_port=0) as server:
         yield server

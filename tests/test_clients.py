@@ -21,7 +21,7 @@ from clients import (AsyncDFlashClient, DFlashClient, GenerationParams, Incomple
                      RequestCancelled, RequestTimeout, RetryPolicy, ServerUnavailable)
 from clients import cli, loadbench
 from clients.errors import ServerError, from_server_message
-from clients.params import prompt_text
+from clients.params import prompt_inputs
 from clients.results import TextChunk, Timings
 from deploy.serve import free_port
 
@@ -68,13 +68,14 @@ def test_parameters_follow_the_server_rules(field, value):
 
 
 def test_prompt_forms():
-    assert prompt_text("Hi", chat=True) == ("Hi", True)
-    assert prompt_text("def f():", chat=False) == ("def f():", False)
-    assert prompt_text([{"role": "user", "content": "Hi"}], chat=False) == ("Hi", True)
-    with pytest.raises(InvalidRequest, match="one user message"):
-        prompt_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], chat=True)
+    assert prompt_inputs("Hi", chat=True) == {"text_input": "Hi", "apply_chat_template": True}
+    assert prompt_inputs("def f():", chat=False) == {"text_input": "def f():", "apply_chat_template": False}
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert json.loads(prompt_inputs(conversation, chat=False)["messages"]) == conversation  # always templated
     with pytest.raises(InvalidRequest, match="empty prompt"):
-        prompt_text("", chat=True)
+        prompt_inputs("", chat=True)
+    with pytest.raises(InvalidRequest, match="empty conversation"):
+        prompt_inputs([], chat=True)
 
 
 @pytest.mark.parametrize("message, exception", [

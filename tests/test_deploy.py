@@ -28,10 +28,17 @@ from deploy.k8s import render
 from deploy.k8s.render import RenderError, load_values
 from dflash_contract.layout import MANIFEST_FILE, REPOSITORY_DIR
 from dflash_contract.presets import PRESETS
-from dflash_contract.server import LIVE_PATH, METRICS_PATH, PORTS, READY_PATH, SHUTDOWN_SECONDS
+from dflash_contract.server import GATEWAY_HEALTH_PATH, LIVE_PATH, METRICS_PATH, PORTS, READY_PATH, SHUTDOWN_SECONDS
 
 REPO = Path(__file__).resolve().parent.parent
 OVERLAYS = {"default": [], **{p.stem: [p] for p in sorted((REPO / "deploy/k8s/values").glob("*.yaml"))}}
+# What is rendered and checked (schemas, checkov, ...): every overlay, and the defaults with the OpenAI
+# gateway's API key from a Secret (off by default, so no overlay has it).
+API_KEY_SECRET = {"name": "dflash-openai", "key": "token"}
+RENDERINGS = {**{name: (overlays, []) for name, overlays in OVERLAYS.items()},
+              "openai-api-key": ([], [f"openai.apiKeySecret.{k}={v}" for k, v in API_KEY_SECRET.items()])}
+# Kubernetes' IsValidPortName: a named container port (and a targetPort by name) is an IANA_SVC_NAME
+IANA_SVC_NAME = re.compile(r"(?=.{1,15}$)(?=[-a-z0-9]*[a-z])(?!.*--)[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # A deployment pins the image it pushed (deploy/README.md): checkov's CKV_K8S_43 requires the digest.
 DIGEST = "sha256:" + "ab" * 32
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
@@ -60,8 +67,8 @@ class Rendered:
 def rendered(tmp_path_factory) -> dict[str, Rendered]:
     root = tmp_path_factory.mktemp("rendered")
     out = {}
-    for name, overlays in OVERLAYS.items():
-        values = load_values(overlays, [f"image.digest={DIGEST}"])
+    for name, (overlays, sets) in RENDERINGS.items():
+        values = load_values(overlays, [f"image.digest={DIGEST}", *sets])
         folder = root / name
         render.write(values, folder)
         objects = [yaml.safe_load(f.read_text()) for f in sorted(folder.glob("*.yaml"))]
@@ -210,7 +217,10 @@ def test_ports_and_probes_are_the_launchers(rendered):
     for name, r in rendered.items():
         server = server_container(r)
         assert {p["name"]: p["containerPort"] for p in server["ports"]} == PORTS
-        assert server["startupProbe"]["httpGet"] == {"path": READY_PATH, "port": "http"}
+        assert all(IANA_SVC_NAME.fullmatch(p["name"]) for p in server["ports"]), server["ports"]
+        # startup: the gateway's health, 200 only once Triton is ready and the gateway listens (render.py);
+        # readiness stays Triton's own
+        assert server["startupProbe"]["httpGet"] == {"path": GATEWAY_HEALTH_PATH, "port": "openai"}
         assert server["readinessProbe"]["httpGet"] == {"path": READY_PATH, "port": "http"}
         assert server["livenessProbe"]["httpGet"] == {"path": LIVE_PATH, "port": "http"}
         startup = server["startupProbe"]
@@ -229,6 +239,67 @@ def test_ports_and_probes_are_the_launchers(rendered):
         assert allowed == set(PORTS.values())
         command = server["command"]
         assert all(f"--{port_name}-port={port}" in command for port_name, port in PORTS.items())
+
+
+def test_the_openai_gateway_is_exposed_to_the_clients_only(rendered):
+    for name, r in rendered.items():
+        openai = {"name": "openai", "port": PORTS["openai"], "targetPort": "openai", "protocol": "TCP",
+                  "appProtocol": "http"}
+        client = r.one("Service", r.values["name"])
+        assert openai in client["spec"]["ports"], name
+        assert [p["name"] for p in client["spec"]["ports"]] == ["http", "grpc", "openai"]
+        # the headless Service is for gRPC client-side balancing, the metrics Service for Prometheus only
+        for suffix, ports in (("-headless", ["grpc", "http"]), ("-metrics", ["metrics"])):
+            assert [p["name"] for p in r.one("Service", r.values["name"] + suffix)["spec"]["ports"]] == ports, name
+
+        policy = r.one("NetworkPolicy", f"{r.values['name']}-server")
+        clients, monitoring = policy["spec"]["ingress"]
+        assert {p["port"] for p in clients["ports"]} == {PORTS[p] for p in ("http", "grpc", "openai")}
+        assert all(p["protocol"] == "TCP" for p in clients["ports"])
+        namespaces = [peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                      for peer in clients["from"] if "namespaceSelector" in peer]
+        assert {"podSelector": {}} in clients["from"] and namespaces == r.values["network"]["clientNamespaces"]
+        assert [p["port"] for p in monitoring["ports"]] == [PORTS["metrics"]]  # not the gateway
+        assert policy["spec"]["egress"] == []  # the gateway calls tritonserver over the pod's loopback
+
+
+def test_client_namespaces_reach_the_gateway():
+    policy = render.server_network_policy(load_values([], ["network.clientNamespaces=[chat-frontend]"]))
+    clients = policy["spec"]["ingress"][0]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "chat-frontend"}}} in clients["from"]
+    assert {"port": PORTS["openai"], "protocol": "TCP"} in clients["ports"]
+
+
+def test_the_gateways_api_key_comes_from_a_secret_only_when_asked(rendered):
+    for name, r in rendered.items():
+        server = server_container(r)
+        deployment = r.one("Deployment")
+        keyed = [e for e in server["env"] if e["name"] == render.OPENAI_API_KEY_ENV]
+        if name != "openai-api-key":  # off by default, in every overlay
+            assert not keyed and "annotations" not in deployment["metadata"], name
+            continue
+        assert keyed == [{"name": render.OPENAI_API_KEY_ENV,
+                          "valueFrom": {"secretKeyRef": {**API_KEY_SECRET, "optional": False}}}]
+        # the key itself is never in a manifest, nor passed as a flag
+        assert not any(a.startswith("--openai-api-key") for a in server["command"])
+        # checkov's CKV_K8S_35 (secrets as files) is skipped for it, with the reason (README: "Security checks skipped")
+        annotations = deployment["metadata"]["annotations"]
+        assert list(annotations) == ["checkov.io/skip1"] and annotations["checkov.io/skip1"].startswith("CKV_K8S_35=")
+        # only the server reads it: the build Job has no key
+        job_pod = r.one("Job")["spec"]["template"]["spec"]
+        assert not any(e["name"] == render.OPENAI_API_KEY_ENV
+                       for c in job_pod["containers"] + job_pod.get("initContainers", []) for e in c["env"])
+
+
+def test_the_launcher_reads_the_api_key_variable_the_manifests_set():
+    # dflash-serve (deploy/serve.py or the gateway it starts) must read the variable the Deployment sets
+    sources = [p for p in REPO.glob("*/**/*.py") if p.parts[len(REPO.parts)] not in ("tests", ".venv")
+               and "k8s" not in p.parts]
+    assert any(render.OPENAI_API_KEY_ENV in p.read_text() for p in sources), \
+        f"no launcher code reads {render.OPENAI_API_KEY_ENV}"
+    usage = subprocess.run([sys.executable, "-m", "deploy.serve", "--help"], capture_output=True, text=True,
+                           cwd=REPO, timeout=60).stdout
+    assert "--openai-api-key" in usage and "--openai-port" in usage
 
 
 def pod_labels(r: Rendered) -> dict:
@@ -376,6 +447,15 @@ BAD_VALUES = [
     (["server.tolerations={key: nvidia.com/gpu}"], "server.tolerations must be a list"),
     (["network.clientNamespaces=[Bad_Name]"], "network.clientNamespaces must be a list of namespace names"),
     (["server"], "expected KEY.PATH=VALUE"),
+    (["openai.apiKeySecret=dflash-openai"], "openai.apiKeySecret must be a mapping"),
+    (["openai.apiKeySecret.secret=dflash-openai"], "unknown value 'openai.apiKeySecret.secret'"),
+    (["openai.apiKeySecret.name=OpenAI_Key"], "apiKeySecret.name must be the name of a Secret in namespace dflash"),
+    (["openai.apiKeySecret.name=[dflash-openai]"], "openai.apiKeySecret.name must be the name of a Secret"),
+    ([f"openai.apiKeySecret.name={'s' * 254}"], "openai.apiKeySecret.name must be the name of a Secret"),
+    (["openai.apiKeySecret.name=dflash-openai", "openai.apiKeySecret.key="],
+     "openai.apiKeySecret.key must be a key of Secret 'dflash-openai'.*got None"),
+    (["openai.apiKeySecret.name=dflash-openai", "openai.apiKeySecret.key=api/key"],
+     "openai.apiKeySecret.key must be a key of Secret"),
 ]
 
 

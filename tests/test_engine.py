@@ -49,6 +49,28 @@ def test_stop_token_inside_an_accepted_block(tiny):
     assert seq.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("block_size", [BLOCK, "auto"])
+def test_min_tokens_hold_stops_back_losslessly(tiny, block_size):
+    """Before min_new_tokens, a stop token is never chosen (TensorRT-LLM's min_length) and stop strings wait: the
+    output is the target's own decoding under that rule, so plain decoding and speculation agree."""
+    target, drafter = load_pair(tiny)
+    ref = reference(tiny)
+    out = next(r for r in ref if len(r) == NEW)
+    stop = out[1]  # emitted early: without min_new_tokens generation ends at index 1
+    prompt = PROMPTS[ref.index(out)]
+    params = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW // 2, stop_token_ids=(stop,), ignore_eos=True)
+    plain = SpeculativeEngine(target, block_size=1).generate([prompt], params)[0]
+    speculative = SpeculativeEngine(target, drafter, block_size=block_size).generate([prompt], params)[0]
+    assert speculative.output_ids == plain.output_ids
+    assert len(plain.output_ids) > NEW // 2 and stop not in plain.output_ids[:NEW // 2]
+    assert plain.output_ids[:2] != out[:2]  # the stop token was held back where greedy chose it
+    if stop in plain.output_ids:  # once allowed, it stops as usual
+        assert plain.finish_reason == "stop" and plain.output_ids[-1] == stop
+    unbounded = SpeculativeEngine(target, drafter, block_size=block_size).generate(
+        [prompt], SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop,), ignore_eos=True))[0]
+    assert unbounded.output_ids == out[:out.index(stop) + 1]
+
+
 def test_eos_stops_unless_ignored(tiny):
     target, drafter = load_pair(tiny)
     engine = SpeculativeEngine(target, drafter, block_size=BLOCK)

@@ -1,6 +1,8 @@
 """dflash_serving.requests: front-model and `dflash` request tensors, checked and refused before the engine."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -55,12 +57,49 @@ def test_a_front_request_becomes_prompt_text():
     assert parse_front_request(tensors(text_input=[[b"Hi"]], max_tokens=[[4]], apply_chat_template=[[True]],
                                        stop_words=[[b"END", b""]], seed=[[3]], random_seed=[[3]])) == ("Hi", True)
     assert parse_front_request(tensors(text_input=[["caf\u00e9".encode()]], max_tokens=[[1]])) == ("caf\u00e9", False)
+    # tensorrtllm_backend's inputs at the values we serve (what genai-perf sends)
+    assert parse_front_request(tensors(text_input=[[b"Hi"]], max_tokens=[[4]], exclude_input_in_output=[[True]],
+                                       beam_width=[[1]], min_length=[[4]], repetition_penalty=[[1.0]],
+                                       frequency_penalty=[[0.0]], return_log_probs=[[False]])) == ("Hi", False)
+
+
+def test_a_conversation_becomes_messages_in_the_chat_template():
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
+                    {"role": "user", "content": "Again"}]
+    raw = json.dumps(conversation).encode()
+    flat = [*conversation[:2], {"role": "assistant", "content": "Hello"}, conversation[3]]
+    assert parse_front_request(tensors(messages=[[raw]], max_tokens=[[4]])) == (flat, True)
 
 
 # every input of the front models, each way it can be wrong that reaches a model (Triton refuses the
 # wrong types and per-item shapes itself); the same table runs against the real server in test_serving
 @pytest.mark.parametrize("inputs, message", [
-    (dict(max_tokens=[[4]], stream=[[True]]), "text_input is required"),
+    (dict(max_tokens=[[4]], stream=[[True]]), r"text_input \(or messages\) is required"),
+    (dict(text_input=[[b"Hi"]], messages=[[b'[{"role": "user", "content": "Hi"}]']], max_tokens=[[4]]),
+     "send one of text_input and messages"),
+    (dict(messages=[[b"Hi"]], max_tokens=[[4]]), "messages: not JSON"),
+    (dict(messages=[[b"[]"]], max_tokens=[[4]]), "messages must be a non-empty JSON list"),
+    (dict(messages=[[b'{"role": "user"}']], max_tokens=[[4]]), "messages must be a non-empty JSON list"),
+    (dict(messages=[[b'[{"role": "tool", "content": "x"}]']], max_tokens=[[4]]),
+     r"messages\[0\].role must be one of system, user, assistant, got 'tool'"),
+    (dict(messages=[[b'[{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image_url"}]}]']],
+          max_tokens=[[4]]), r"messages\[1\].content\[0\]: only text parts .* got 'image_url'"),
+    (dict(messages=[[b'[{"role": "assistant", "content": null}]']], max_tokens=[[4]]),
+     r"messages\[0\].content must be a string or a list of text parts"),
+    (dict(messages=[[b'[{"role": "user", "content": "a", "tool_calls": []}]']], max_tokens=[[4]]),
+     r"messages\[0\].tool_calls is not supported"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], min_length=[[-1]]), "min_length must be >= 0, got -1"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], min_tokens=[[2]], min_length=[[3]]),
+     "min_tokens and min_length differ"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], exclude_input_in_output=[[False]]),
+     "exclude_input_in_output=false is not supported .responses carry only the generated text"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], beam_width=[[2]]), "beam_width=2 is not supported"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], return_log_probs=[[True]]), "return_log_probs=true is not supported"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], presence_penalty=np.array([[0.5]], np.float32)),
+     "presence_penalty=0.5 is not supported .no penalties; send 0 or leave it out"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], repetition_penalty=np.array([[1.1]], np.float32)),
+     "repetition_penalty=1.1 is not supported"),
     (dict(text_input=[[b"Hi"]], stream=[[True]]), "max_tokens is required"),
     (dict(text_input=[[b"a"], [b"b"]], max_tokens=[[4], [4]]),
      r"text_input must hold one value per request, got shape \[2, 1\]"),

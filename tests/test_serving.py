@@ -75,10 +75,13 @@ class Stream:
         self.client.stop_stream(cancel_requests=cancel)
 
 
-def streamed_text(url: str, question: str, max_tokens: int, model: str = "ensemble", **params) -> tuple[str, list]:
+def streamed_text(url: str, question: str | None, max_tokens: int, model: str = "ensemble", **params
+                  ) -> tuple[str, list]:
+    """The streamed answer to a question (None: the request's `messages` hold the prompt) and the responses."""
     stream = Stream(url)
+    prompt = {} if question is None else {"text_input": question, "apply_chat_template": True}
     try:
-        stream.send(model, text_input=question, max_tokens=max_tokens, stream=True, apply_chat_template=True, **params)
+        stream.send(model, max_tokens=max_tokens, stream=True, **prompt, **params)
         results, error = stream.collect()
     finally:
         stream.close()
@@ -166,6 +169,25 @@ def test_stream_false_returns_one_complete_response(default_server, in_process, 
     assert results[0].as_numpy("text_output").item().decode() == in_process[QUESTIONS[2]]
 
 
+@pytest.mark.parametrize("model", FRONT_MODELS)
+def test_a_conversation_and_genai_perfs_inputs(default_server, default_build, model):
+    """`messages` (system prompt, two turns) in the target's chat template, with the inputs genai-perf sends
+    (exclude_input_in_output, min_length): the output counts are the engine's, min_length holds stops back."""
+    from dflash_runtime.text import encode_prompt, load_tokenizer
+
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Name a color."}]
+    text, results = streamed_text(default_server.grpc_url, None, 40, model, messages=json.dumps(conversation),
+                                  exclude_input_in_output=True, min_length=40)
+    last = results[-1]
+    prompt = encode_prompt(load_tokenizer(default_build / "target"), conversation)
+    assert int(last.as_numpy("num_input_tokens").item()) == len(prompt)
+    assert int(last.as_numpy("num_output_tokens").item()) == 40 and last.as_numpy("finish_reason").item() == b"length"
+    # greedy: the same tokens up to where the end of sequence came without min_length
+    without, _ = streamed_text(default_server.grpc_url, None, 40, model, messages=json.dumps(conversation))
+    assert text.startswith(without)
+
+
 def _cancel_mid_stream(server, model: str, max_tokens: int = 1000, **request) -> None:
     """Start a long stream, cancel it once it runs, and check through metrics that its slot is freed."""
     cancelled_before = metric(server, "dflash_cancelled_requests_total")
@@ -216,8 +238,18 @@ def test_metrics_sit_beside_tritons_own(default_server, in_process):
 # Ours start with "invalid request: " and name the field; the last ones are Triton's own door checks.
 BAD_REQUESTS = {
     "no inputs": (dict(), "request has 0 inputs"),
-    "missing text_input": (dict(max_tokens=8), "invalid request: text_input is required"),
-    "missing text_input among others": (dict(max_tokens=8, stream=True), "invalid request: text_input is required"),
+    "missing text_input": (dict(max_tokens=8), "invalid request: text_input (or messages) is required"),
+    "missing text_input among others": (dict(max_tokens=8, stream=True),
+                                        "invalid request: text_input (or messages) is required"),
+    "text_input and messages": (dict(text_input="Hi", messages='[{"role": "user", "content": "Hi"}]', max_tokens=8),
+                                "invalid request: send one of text_input and messages"),
+    "messages not JSON": (dict(messages="Hi", max_tokens=8), "invalid request: messages: not JSON"),
+    "unknown role": (dict(messages='[{"role": "robot", "content": "Hi"}]', max_tokens=8),
+                     "invalid request: messages[0].role must be one of system, user, assistant, got 'robot'"),
+    "beam search": (dict(text_input="Hi", max_tokens=8, beam_width=4),
+                    "invalid request: beam_width=4 is not supported (no beam search; send 1 or leave it out)"),
+    "input in the output": (dict(text_input="Hi", max_tokens=8, exclude_input_in_output=False),
+                            "invalid request: exclude_input_in_output=false is not supported"),
     "missing max_tokens": (dict(text_input="Hi", stream=True), "invalid request: max_tokens is required"),
     "empty text": (dict(text_input="", max_tokens=8), "invalid request: text_input must not be empty"),
     "non-UTF-8 bytes": (dict(text_input=b"\xff\xfe hello", max_tokens=8),

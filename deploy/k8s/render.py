@@ -31,7 +31,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from builder.options import build_parser
 from dflash_contract.layout import MANIFEST_FILE, REPO_ROOT, REPOSITORY_DIR
 from dflash_contract.presets import PRESETS
-from dflash_contract.server import LIVE_PATH, METRICS_PATH, PORTS, READY_PATH, SHUTDOWN_SECONDS
+from dflash_contract.server import (GATEWAY_HEALTH_PATH, LIVE_PATH, METRICS_PATH, OPENAI_API_KEY_ENV, PORTS, READY_PATH,
+                                    SHUTDOWN_SECONDS)
 
 DEFAULTS = Path(__file__).resolve().parent / "values.yaml"
 # The model store (PVC) is mounted here in the build Job and the servers: build B is <MODEL_STORE>/B,
@@ -45,6 +46,8 @@ APP_UID = 10001  # the user deploy/docker/Dockerfile and Dockerfile.cpu create
 # response); it runs the container's own tritonserver where there is one.
 IMAGE_KINDS = ("gpu", "cpu")
 SERVER_COMMAND = "dflash-serve"
+# The OpenAI-compatible gateway that dflash-serve runs beside tritonserver (PORTS["openai"]) reads its optional
+# API key from OPENAI_API_KEY_ENV (--openai-api-key would show the key in the pod spec).
 
 # Pods metrics that prometheus-adapter serves to the HPA (rules: adapter_values).
 QUEUE_TIME_METRIC = "dflash_queue_time_us_per_request"
@@ -54,6 +57,8 @@ QUEUED_METRIC = "dflash_queued_sequences"  # the engine gauge of model_repositor
 JOB_HASH_LENGTH = 6
 FREE_FORM = {"nodeSelector", "prometheusLabels"}  # maps an overlay replaces whole instead of merging
 DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a Secret's name
+SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # a key of a Secret's data
 MEMORY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
                 "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
@@ -121,6 +126,7 @@ def validate(values: dict) -> None:
     _validate_memory(values)
     _validate_build_args(values, parse_build_args(values))
     _validate_placement(values)
+    _validate_openai(values)
     clients = values["network"]["clientNamespaces"]
     if not isinstance(clients, list) or not all(isinstance(n, str) and DNS_NAME.fullmatch(n) for n in clients):
         raise RenderError(f"network.clientNamespaces must be a list of namespace names, got {clients!r}")
@@ -236,6 +242,22 @@ def _validate_placement(values: dict) -> None:
     tolerations = values["server"]["tolerations"]
     if not isinstance(tolerations, list) or not all(isinstance(t, dict) for t in tolerations):
         raise RenderError(f"server.tolerations must be a list of tolerations, got {tolerations!r}")
+
+
+def _validate_openai(values: dict) -> None:
+    secret = values["openai"]["apiKeySecret"]
+    if not isinstance(secret, dict):
+        raise RenderError(f"openai.apiKeySecret must be a mapping {{name: <Secret>, key: <key in it>}} (name \"\": "
+                          f"no API key), got {secret!r}")
+    name, key = secret["name"], secret["key"]
+    if not name:  # off: the gateway answers without a key (it is reachable from the clients' namespaces only)
+        return
+    if not isinstance(name, str) or not DNS_SUBDOMAIN.fullmatch(name) or len(name) > 253:
+        raise RenderError(f"openai.apiKeySecret.name must be the name of a Secret in namespace {values['namespace']} "
+                          f"(lowercase letters, digits, '-', '.'), got {name!r}")
+    if not isinstance(key, str) or not SECRET_KEY.fullmatch(key) or len(key) > 253:
+        raise RenderError(f"openai.apiKeySecret.key must be a key of Secret {name!r} (letters, digits, '-', '_', '.'), "
+                          f"got {key!r}")
 
 
 def _validate_build_args(values: dict, args: argparse.Namespace) -> None:
@@ -455,19 +477,45 @@ def wait_for_build(values: dict) -> dict:
                      [store_mount(True)], resources("50m", "32Mi"))
 
 
+def api_key_env(values: dict) -> list[dict]:
+    secret = values["openai"]["apiKeySecret"]
+    if not secret["name"]:
+        return []
+    # optional: false (written out): a missing Secret or key keeps the container from starting
+    # (CreateContainerConfigError) rather than serving the gateway without the key that was asked for.
+    return [{"name": OPENAI_API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"],
+                                                                        "optional": False}}}]
+
+
+# checkov's CKV_K8S_35 (CIS 5.4.1) prefers Secrets as files; the gateway's key can only be passed as an
+# environment variable (or a flag, which would put it in the pod spec). Skipped only when a key is set.
+API_KEY_ENV_SKIP = {"checkov.io/skip1": f"CKV_K8S_35=dflash-serve reads the gateway's API key from {OPENAI_API_KEY_ENV}"
+                                        " only; the Secret is referenced, its value is in no manifest"}
+
+
 def server_container(values: dict) -> dict:
     # Health (deploy/README.md, "Probes and a dead engine"): readiness is Triton's strict readiness (every
     # model loaded; from Triton 26.01 every backend process alive, from 26.03 the engine loop too);
     # liveness, that the server answers. A dead engine or backend process is dflash-serve's to catch on any
     # Triton version: it stops tritonserver within seconds and exits non-zero, and the kubelet restarts the
     # container (restartPolicy Always), whose startup probe then covers the reload.
+    #
+    # The OpenAI gateway (PORTS["openai"]): its GATEWAY_HEALTH_PATH answers 200 only while tritonserver is
+    # ready, so it is the startup probe: startup then ends when Triton is ready *and* the gateway listens,
+    # and a pod never turns Ready (joining the Service on every port) while :9000 still refuses. Readiness
+    # stays Triton's own: the gateway adds nothing to it once started, because when the gateway dies
+    # dflash-serve exits non-zero and the container restarts (as for a dead engine), faster than a probe
+    # would notice, and a gateway hiccup must not take the pod away from its HTTP/gRPC clients. Nor is it
+    # liveness: it fails whenever Triton is not ready (a drain, a dead engine), which readiness and
+    # dflash-serve already handle. It must answer without the API key: probes send none.
     server = values["server"]
     ready = {"httpGet": {"path": READY_PATH, "port": "http"}}
-    triton = container(values, "tritonserver", server_command(values), WRITABLE_HOME + OFFLINE,
+    started = {"httpGet": {"path": GATEWAY_HEALTH_PATH, "port": "openai"}}
+    triton = container(values, "tritonserver", server_command(values), WRITABLE_HOME + OFFLINE + api_key_env(values),
                      [store_mount(True), TMP_MOUNT, {"name": "dshm", "mountPath": "/dev/shm"}],
                      resources(server["cpu"], server["memory"], server["gpus"]))
     triton["ports"] = [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in PORTS.items()]
-    triton["startupProbe"] = {**ready, "periodSeconds": 10, "timeoutSeconds": 5,
+    triton["startupProbe"] = {**started, "periodSeconds": 10, "timeoutSeconds": 5,
                             "failureThreshold": math.ceil(server["startupBudgetSeconds"] / 10)}
     triton["readinessProbe"] = {**ready, "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3}
     triton["livenessProbe"] = {"httpGet": {"path": LIVE_PATH, "port": "http"}, "periodSeconds": 15,
@@ -502,12 +550,14 @@ def deployment(values: dict) -> dict:
             "template": {"metadata": {"labels": labels}, "spec": pod}}
     if not values["autoscaling"]["enabled"]:  # with an HPA, replicas belong to it: applying must not reset them
         spec = {"replicas": server["replicas"], **spec}
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(values, values["name"], "server"),
-            "spec": spec}
+    meta = metadata(values, values["name"], "server")
+    if values["openai"]["apiKeySecret"]["name"]:
+        meta["annotations"] = dict(API_KEY_ENV_SKIP)
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec}
 
 
 def service(values: dict, name: str, component: str, ports: list[str], headless: bool = False) -> dict:
-    protocols = {"http": "http", "grpc": "kubernetes.io/h2c", "metrics": "http"}
+    protocols = {"http": "http", "grpc": "kubernetes.io/h2c", "metrics": "http", "openai": "http"}
     spec = {"selector": selector(values, "server"),
             "ports": [{"name": p, "port": PORTS[p], "targetPort": p, "protocol": "TCP", "appProtocol": protocols[p]}
                       for p in ports]}
@@ -518,7 +568,9 @@ def service(values: dict, name: str, component: str, ports: list[str], headless:
 
 def services(values: dict) -> list[dict]:
     name = values["name"]
-    return [service(values, name, "server", ["http", "grpc"]),
+    # openai: the OpenAI-compatible gateway (HTTP/1.1, streaming as server-sent events); OpenAI SDKs point
+    # their base_url at http://<name>.<namespace>.svc:9000/v1
+    return [service(values, name, "server", ["http", "grpc", "openai"]),
             # gRPC keeps one HTTP/2 connection per client, which a ClusterIP pins to one pod: clients that
             # balance themselves (dns:///<name>-headless:8001, round_robin) spread over every ready pod.
             service(values, f"{name}-headless", "server", ["grpc", "http"], headless=True),
@@ -572,7 +624,8 @@ def _ports(*names: str) -> list[dict]:
 def server_network_policy(values: dict) -> dict:
     clients = [{"podSelector": {}}] + [_namespace_peer(n) for n in values["network"]["clientNamespaces"]]
     spec = {"podSelector": {"matchLabels": selector(values, "server")}, "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{"from": clients, "ports": _ports("http", "grpc")},
+            # the gateway reaches tritonserver over the pod's loopback, which no NetworkPolicy filters
+            "ingress": [{"from": clients, "ports": _ports("http", "grpc", "openai")},
                         {"from": [_namespace_peer(values["monitoring"]["namespace"])], "ports": _ports("metrics")}],
             # no egress at all: the servers download nothing and call nothing
             "egress": []}

@@ -118,7 +118,8 @@ class TritonStream:
 
     def send(self, chunk):
         stats = chunk.stats
-        values = response_statistics(stats.draft_steps, stats.accepted_draft_tokens, stats.draft_tokens)
+        values = response_statistics(stats.draft_steps, stats.accepted_draft_tokens, stats.draft_tokens,
+                                     chunk.prompt_tokens, chunk.output_tokens)
         tensors = [pb_utils.Tensor("output_ids", np.array([chunk.token_ids], dtype=np.int32)),
                    pb_utils.Tensor("read_offset", np.array([[chunk.read_offset]], dtype=np.int32)),
                    pb_utils.Tensor(FINISH_REASON, np.array([[chunk.finish_reason or ""]], dtype=object))]

@@ -30,11 +30,11 @@ class TritonPythonModel:
             return None if value is None else value.as_numpy()
 
         try:
-            text, chat = parse_front_request(tensor)
+            prompt, chat = parse_front_request(tensor)
             try:
-                ids = encode_prompt(self.tokenizer, text, chat=chat)
+                ids = encode_prompt(self.tokenizer, prompt, chat=chat)
             except DFlashError as e:
-                raise DFlashError(f"text_input: {e}") from None
+                raise DFlashError(f"{'text_input' if isinstance(prompt, str) else 'messages'}: {e}") from None
         except DFlashError as e:
             error = pb_utils.TritonError(invalid_request(str(e)), pb_utils.TritonError.INVALID_ARG)
             return pb_utils.InferenceResponse(error=error)

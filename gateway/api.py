@@ -1,0 +1,230 @@
+"""OpenAI's API <-> the front model's request: bodies checked and translated, responses and chunks built.
+
+Pure functions, no server: `chat_request` and `completion_request` turn a JSON body into what the front model
+takes (clients.transport.Request), refusing with an `APIError` (OpenAI's error shape, the status the official
+client maps to its exception classes) whatever the engine cannot honour: an unknown field, or a known one at a
+value other than its neutral one. Nothing is ignored silently.
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from clients.errors import InvalidRequest
+from clients.params import GenerationParams, prompt_inputs
+from clients.results import SpeculationStats
+from clients.transport import Request
+from dflash_contract.protocol import INVALID_REQUEST_PREFIX
+
+EXTENSION_FIELD = "dflash"  # our statistics, in the final chunk and in a whole response
+# Fields accepted only at these values (None: absent or null): OpenAI's defaults, which the engine serves
+NEUTRAL = {
+    "n": (None, 1),  # several choices: send several requests (one sequence per request here)
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+# Fields that change nothing the engine computes: an end-user id, request tags
+# (parallel_tool_calls only matters with tools, which are refused)
+INERT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+# The sampling fields both endpoints take; top_k, min_tokens and ignore_eos are vLLM's and SGLang's extra-body names
+SAMPLING = ("model", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "top_k", "min_tokens",
+            "ignore_eos")
+CHAT_FIELDS = frozenset((*SAMPLING, "messages", "max_completion_tokens", "max_tokens", "n", "presence_penalty",
+                         "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
+                         "functions", "function_call", "response_format", *INERT))
+COMPLETION_FIELDS = frozenset((*SAMPLING, "prompt", "max_tokens", "n", "presence_penalty", "frequency_penalty",
+                               "logprobs", "logit_bias", "echo", "best_of", "suffix", *INERT))
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    """An error answer: `body()` is OpenAI's {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+@dataclass(frozen=True)
+class Translated:
+    """A checked OpenAI request: what to send the front model, and how to answer."""
+
+    request: Request
+    stream: bool  # the client's choice: server-sent events, or one response
+    include_usage: bool  # stream_options.include_usage: one more chunk, with the usage and no choices
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def chat_request(body: object, model_id: str, default_max_tokens: int) -> Translated:
+    body = _checked(body, CHAT_FIELDS, model_id)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list of messages", "messages")
+    # OpenAI's newer name of the system role
+    messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                for m in messages]
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return _translated(body, prompt_inputs(messages, chat=True), default_max_tokens if limit is None else limit,
+                       "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+
+
+def completion_request(body: object, model_id: str) -> Translated:
+    body = _checked(body, COMPLETION_FIELDS, model_id)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise invalid("prompt must be a non-empty string (one prompt per request; token-id prompts are not "
+                      "supported)", "prompt")
+    limit = body.get("max_tokens")
+    return _translated(body, prompt_inputs(prompt, chat=False), COMPLETION_DEFAULT_MAX_TOKENS if limit is None
+                       else limit, "max_tokens")
+
+
+def _checked(body: object, known: frozenset[str], model_id: str) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise invalid(f"{unknown[0]} is not supported by this server", unknown[0])
+    for name, values in NEUTRAL.items():
+        if name in body and body[name] not in values:
+            allowed = " or ".join("null" if v is None else repr(v) for v in values)
+            raise invalid(f"{name}={body[name]!r} is not supported by this server (send {allowed})", name)
+    if body.get("model") != model_id:
+        if not isinstance(body.get("model"), str):
+            raise invalid("model is required: the id GET /v1/models lists", "model")
+        raise APIError(404, f"The model {body['model']!r} does not exist; this server serves {model_id!r}",
+                       param="model", code="model_not_found")
+    return body
+
+
+def _translated(body: dict, prompt: dict, max_tokens: object, max_tokens_name: str) -> Translated:
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise invalid("stop must be a string or a list of strings", "stop")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise invalid("stream_options takes include_usage only", "stream_options")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise invalid("stream must be true or false", "stream")
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_tokens": 0}  # OpenAI's, and off
+    values = {"max_tokens": max_tokens, **{k: default if body.get(k) is None else body[k] for k, default in
+                                            defaults.items()}}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
+            raise invalid(f"{_name(name, max_tokens_name)} must be a number", _name(name, max_tokens_name))
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise invalid("ignore_eos must be true or false", "ignore_eos")
+    try:  # end_id -1 replaces the end-of-sequence ids by one that never comes
+        params = GenerationParams(stop=tuple(s for s in stop if s), end_id=-1 if ignore_eos else None, **values)
+    except InvalidRequest as e:
+        name = next((n for n in values if str(e).startswith(n)), None)
+        message = str(e) if name is None else _name(name, max_tokens_name) + str(e)[len(name):]
+        raise invalid(message, name and _name(name, max_tokens_name)) from None
+    # streamed from the server either way: each response is where a client's disconnect is noticed
+    return Translated(Request(prompt, params, stream=True), stream,
+                      include_usage=bool(options and options.get("include_usage")))
+
+
+def _name(name: str, max_tokens_name: str) -> str:
+    return max_tokens_name if name == "max_tokens" else name
+
+
+# The front model's input names that a refusal starts with -> the request field they came from
+SERVER_FIELDS = {"messages": "messages", "text_input": "prompt", "stop_words": "stop", "temperature": "temperature",
+                 "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_tokens": "min_tokens"}
+
+
+def param_of(message: str) -> str | None:
+    """The request field a server refusal names ("invalid request: messages[0].role must ..." -> "messages")."""
+    match = re.search(rf"{INVALID_REQUEST_PREFIX}: ([a-z_]+)", message)
+    return SERVER_FIELDS.get(match.group(1)) if match else None
+
+
+# -- answers ---------------------------------------------------------------------------------------
+def finish_reason(ours: str) -> str:
+    """OpenAI's finish_reason for ours: "stop" (an end-of-sequence id or a stop string) or "length"."""
+    return "length" if ours == "length" else "stop"
+
+
+def usage(stats: SpeculationStats) -> dict:
+    rejected = stats.draft_tokens - stats.accepted_draft_tokens
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+            # SGLang's fields for speculative decoding's drafted tokens
+            "completion_tokens_details": {"accepted_prediction_tokens": stats.accepted_draft_tokens,
+                                          "rejected_prediction_tokens": rejected}}
+
+
+def statistics(stats: SpeculationStats) -> dict:
+    return {"draft_steps": stats.draft_steps, "accepted_draft_tokens": stats.accepted_draft_tokens,
+            "draft_tokens": stats.draft_tokens, "acceptance_rate": round(stats.acceptance_rate, 4),
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 4)}
+
+
+def chat_response(t: Translated, model_id: str, text: str, reason: str, stats: SpeculationStats) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason(reason)}
+    return {"id": f"chatcmpl-{t.id}", "object": "chat.completion", "created": t.created, "model": model_id,
+            "choices": [choice], "usage": usage(stats), EXTENSION_FIELD: statistics(stats)}
+
+
+def completion_response(t: Translated, model_id: str, text: str, reason: str, stats: SpeculationStats) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+    return {"id": f"cmpl-{t.id}", "object": "text_completion", "created": t.created, "model": model_id,
+            "choices": [choice], "usage": usage(stats), EXTENSION_FIELD: statistics(stats)}
+
+
+def chat_chunk(t: Translated, model_id: str, delta: dict | None, reason: str | None = None,
+               stats: SpeculationStats | None = None) -> dict:
+    """A chat.completion.chunk: a delta; with `reason`, the one chunk that carries finish_reason (and our
+    statistics); with delta None, the usage chunk (no choices)."""
+    chunk = {"id": f"chatcmpl-{t.id}", "object": "chat.completion.chunk", "created": t.created, "model": model_id,
+             "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                    "finish_reason": reason and finish_reason(reason)}]}
+    return _with_extras(chunk, t, delta is None, reason, stats)
+
+
+def completion_chunk(t: Translated, model_id: str, text: str | None, reason: str | None = None,
+                     stats: SpeculationStats | None = None) -> dict:
+    chunk = {"id": f"cmpl-{t.id}", "object": "text_completion", "created": t.created, "model": model_id,
+             "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": None,
+                                                   "finish_reason": reason and finish_reason(reason)}]}
+    return _with_extras(chunk, t, text is None, reason, stats)
+
+
+def _with_extras(chunk: dict, t: Translated, usage_chunk: bool, reason: str | None, stats) -> dict:
+    if t.include_usage:  # OpenAI: null in every chunk but the last, which has the usage
+        chunk["usage"] = usage(stats) if usage_chunk else None
+    if reason and not usage_chunk:
+        chunk[EXTENSION_FIELD] = statistics(stats)
+    return chunk

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one gRPC connection to the front model.
+
+Each request becomes one streaming gRPC request (clients.transport, the clients' own code), whether or not the
+client asked for a stream: a response per engine step is where a client that went away is noticed, and the
+gRPC call is then cancelled, which frees the sequence's KV-cache slot at the engine's next step. A refusal
+that comes before any text (a malformed conversation, a full server) is an HTTP error status; a failure
+after it is an `error` event, then `[DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from clients.errors import (DFlashClientError, IncompleteResponse, InvalidRequest, RequestCancelled,
+                            ServerUnavailable)
+from clients.transport import GrpcTransport, Response
+from dflash_contract.server import GATEWAY_HEALTH_PATH
+
+from . import api
+
+DISCONNECT_CHECK_SECONDS = 0.25  # how often a non-streamed request looks for its client
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    triton_url: str  # HOST:PORT of tritonserver's gRPC endpoint
+    model_id: str  # what /v1/models lists and requests name
+    api_key: str | None = None  # None: no authentication
+    default_max_tokens: int = 512  # for a chat request without max_completion_tokens / max_tokens
+    max_body_bytes: int = 4 << 20
+
+
+def create_app(settings: Settings) -> FastAPI:
+    transport: dict[str, GrpcTransport] = {}  # made on the server's event loop, at start-up
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        transport["grpc"] = GrpcTransport(settings.triton_url)
+        yield
+        await transport["grpc"].close()
+
+    app = FastAPI(title="DFlash OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+
+    @app.exception_handler(api.APIError)
+    async def api_error(_, e: api.APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):  # unknown paths, wrong methods: OpenAI's shape too
+        return JSONResponse(api.APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, e: Exception):
+        return JSONResponse(api.APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+
+    @app.get(GATEWAY_HEALTH_PATH)
+    async def health():  # no API key: probes send none
+        state = await transport["grpc"].health()
+        return JSONResponse({"ready": state.ready, "detail": state.detail}, status_code=200 if state.ready else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _authorize(request, settings.api_key)
+        return {"object": "list", "data": [_model(settings.model_id, started)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        _authorize(request, settings.api_key)
+        if model_id != settings.model_id:
+            raise api.APIError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+        return _model(settings.model_id, started)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        _authorize(request, settings.api_key)
+        t = api.chat_request(await _json_body(request, settings.max_body_bytes), settings.model_id,
+                             settings.default_max_tokens)
+        return await _answer(request, transport["grpc"], t, settings.model_id, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _authorize(request, settings.api_key)
+        t = api.completion_request(await _json_body(request, settings.max_body_bytes), settings.model_id)
+        return await _answer(request, transport["grpc"], t, settings.model_id, chat=False)
+
+    return app
+
+
+def _model(model_id: str, created: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "dflash"}
+
+
+def _authorize(request: Request, key: str | None) -> None:
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise api.APIError(401, "Incorrect API key provided" if given else "Missing API key: send "
+                           "'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+async def _json_body(request: Request, limit: int) -> object:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise _too_large(limit)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise api.invalid(f"the request body is not valid JSON ({e})") from None
+
+
+def _too_large(limit: int) -> api.APIError:
+    return api.APIError(413, f"the request body is larger than this server's limit of {limit} bytes")
+
+
+def _api_error(e: DFlashClientError) -> api.APIError:
+    """The HTTP error for a failure the front model reported (or the connection to it)."""
+    message = str(e)
+    if isinstance(e, InvalidRequest):
+        return api.invalid(message, api.param_of(message))
+    if isinstance(e, (ServerUnavailable, RequestCancelled)):
+        return api.APIError(503, message, code="service_unavailable",
+                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return api.APIError(500, message)
+
+
+async def _answer(request: Request, transport: GrpcTransport, t: api.Translated, model_id: str, chat: bool):
+    responses = transport.responses(t.request)
+    try:
+        first = await anext(responses, None)  # a refusal comes first, before any text: an HTTP status
+    except DFlashClientError as e:
+        await responses.aclose()
+        raise _api_error(e) from None
+    if first is None:
+        raise api.APIError(500, "the server ended the request without an answer")
+    if t.stream:
+        return StreamingResponse(_events(t, model_id, chat, first, responses), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    collecting = asyncio.create_task(_collect(first, responses))
+    while not collecting.done():  # a client that went away cancels its request (and frees its slot)
+        await asyncio.wait({collecting}, timeout=DISCONNECT_CHECK_SECONDS)
+        if not collecting.done() and await request.is_disconnected():
+            collecting.cancel()
+    try:
+        text, last = collecting.result()
+    except asyncio.CancelledError:
+        raise api.APIError(499, "the client closed the connection") from None
+    except DFlashClientError as e:
+        raise _api_error(e) from None
+    build = api.chat_response if chat else api.completion_response
+    return build(t, model_id, text, last.finish_reason, last.stats)
+
+
+async def _collect(first: Response, responses: AsyncIterator[Response]) -> tuple[str, Response]:
+    texts, response = [first.text], first
+    async with contextlib.aclosing(responses):
+        while not _finished(response):
+            response = await _next(responses)
+            texts.append(response.text)
+    return "".join(texts), response
+
+
+def _finished(response: Response) -> bool:
+    """Whether this is the request's last response; an error if the request did not complete."""
+    if response.finish_reason == "cancelled":
+        raise RequestCancelled("the server cancelled the request")
+    if response.final and not response.finish_reason:
+        raise IncompleteResponse("the server ended the request without a finish reason")
+    return bool(response.finish_reason)
+
+
+async def _next(responses: AsyncIterator[Response]) -> Response:
+    try:
+        return await anext(responses)
+    except StopAsyncIteration:
+        raise IncompleteResponse("the stream from the server ended before its final response") from None
+    except ServerUnavailable as e:  # the connection broke midway: the answer is incomplete, not retryable
+        raise IncompleteResponse(f"the connection to the server broke before the final response ({e})") from None
+
+
+async def _events(t: api.Translated, model_id: str, chat: bool, first: Response,
+                  responses: AsyncIterator[Response]) -> AsyncIterator[str]:
+    """Server-sent events: the role, the text deltas, the one chunk with finish_reason, the usage chunk if asked
+    for, then [DONE]; a failure midway is an error event before [DONE]. Cancelled (the client went away):
+    the gRPC request is cancelled on the way out."""
+    def chunk(text: str | None, reason: str | None = None, stats=None) -> str:
+        if chat:
+            delta = None if text is None else {"content": text} if reason is None or text else {}
+            body = api.chat_chunk(t, model_id, delta, reason, stats)
+        else:
+            body = api.completion_chunk(t, model_id, text, reason, stats)
+        return _event(body)
+
+    async with contextlib.aclosing(responses):
+        if chat:
+            yield _event(api.chat_chunk(t, model_id, {"role": "assistant", "content": ""}))
+        response = first
+        try:
+            while not _finished(response):
+                if response.text:
+                    yield chunk(response.text)
+                response = await _next(responses)
+            yield chunk(response.text, response.finish_reason, response.stats)
+            if t.include_usage:
+                yield chunk(None, stats=response.stats)
+        except DFlashClientError as e:
+            yield _event(_api_error(e).body())
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

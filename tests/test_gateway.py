@@ -1,0 +1,235 @@
+"""The OpenAI-compatible gateway on the real tritonserver + embedded default, driven by the official `openai` client
+(max_retries=0: its retries would hide a 503), compared with the project's own gRPC client."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from clients import DFlashClient, GenerationParams
+from deploy.serve import start_gateway
+from dflash_runtime.text import encode_prompt, load_tokenizer
+from test_serving import metric, wait_for_metric
+
+MODEL = "smollm2-135m"
+CONVERSATION = [{"role": "system", "content": "You are a terse assistant. Answer in one sentence."},
+                {"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": "And of Italy?"}]
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
+             "Say hello in Spanish.", "What do bees make?", "Name a large ocean.", "What color is the sky?",
+             "How many legs does a spider have?"]
+GREEDY = {"temperature": 0, "max_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    with openai.OpenAI(base_url=f"{default_server.gateway.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc(default_server):
+    with DFlashClient(default_server.grpc_url) as c:
+        yield c
+
+
+def test_models_list_the_build(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_a_conversation_gives_the_grpc_clients_text_streamed_or_not(client, grpc, default_build):
+    expected = grpc.generate(CONVERSATION, GenerationParams(max_tokens=24))
+    whole = client.chat.completions.create(model=MODEL, messages=CONVERSATION, **GREEDY)
+    assert whole.choices[0].message.content == expected.text and expected.text
+    assert whole.choices[0].finish_reason == expected.finish_reason
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CONVERSATION, stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == [expected.finish_reason]
+    # usage: the server's own token counts, equal to the tokenizer's of the templated conversation
+    tokenizer = load_tokenizer(default_build / "target")
+    usage = whole.usage
+    assert usage.prompt_tokens == len(encode_prompt(tokenizer, CONVERSATION)) == expected.stats.prompt_tokens
+    assert usage.completion_tokens == expected.stats.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # the speculation statistics (how many drafts a step verifies is chosen per step, so they vary between runs)
+    details, extension = usage.completion_tokens_details, whole.model_extra["dflash"]
+    assert details.accepted_prediction_tokens == extension["accepted_draft_tokens"]
+    assert details.rejected_prediction_tokens == extension["draft_tokens"] - extension["accepted_draft_tokens"]
+    assert extension["draft_steps"] > 0 and extension["mean_acceptance_length"] == pytest.approx(
+        1 + extension["accepted_draft_tokens"] / extension["draft_steps"], abs=1e-3)
+    final = [c for c in chunks if c.choices[0].finish_reason][0]
+    assert set(final.model_extra["dflash"]) == set(extension)
+
+
+def test_max_tokens_and_completions(client, grpc):
+    chat = client.chat.completions.create(model=MODEL, messages=CONVERSATION[1:2], temperature=0,
+                                          max_completion_tokens=5)
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 5
+    prompt = "def fibonacci(n):"
+    expected = grpc.generate(prompt, GenerationParams(max_tokens=12), chat=False)
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert completion.choices[0].text == expected.text and completion.usage.completion_tokens == 12
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+
+
+def test_include_usage_adds_exactly_one_usage_chunk(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CONVERSATION, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1].choices == []
+    assert with_usage[0].usage.completion_tokens > 0
+    plain = list(client.chat.completions.create(model=MODEL, messages=CONVERSATION, stream=True, **GREEDY))
+    assert all(c.usage is None for c in plain)
+
+
+def test_a_stop_list_ends_the_text_where_the_contract_says(client, grpc):
+    question = [{"role": "user", "content": QUESTIONS[1]}]
+    full = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=32)
+    text = full.choices[0].message.content
+    word = text.split()[len(text.split()) // 2]  # a word the answer reaches midway
+    stopped = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=32,
+                                             stop=[word, "never appears"])
+    expected = grpc.generate(question, GenerationParams(max_tokens=32, stop=(word, "never appears")))
+    cut = stopped.choices[0].message.content
+    # the text keeps the token that completes the stop string (dflash_contract.protocol), and ends there
+    assert cut == expected.text and word in cut and text.startswith(cut) and len(cut) < len(text)
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_the_same_seed_gives_the_same_sample(client):
+    def sample(seed):
+        return client.chat.completions.create(model=MODEL, messages=CONVERSATION[1:2], temperature=0.9, top_p=0.95,
+                                              seed=seed, max_tokens=16).choices[0].message.content
+
+    first = sample(7)
+    assert sample(7) == first
+    assert any(sample(seed) != first for seed in (8, 9, 10))
+    # vLLM's and SGLang's extra-body top_k reaches the engine
+    top1 = client.chat.completions.create(model=MODEL, messages=CONVERSATION[1:2], temperature=0.9, seed=3,
+                                          max_tokens=8, extra_body={"top_k": 1})
+    greedy = client.chat.completions.create(model=MODEL, messages=CONVERSATION[1:2], temperature=0, max_tokens=8)
+    assert top1.choices[0].message.content == greedy.choices[0].message.content
+
+
+BAD_REQUESTS = {  # request fields -> (exception class, param the error names)
+    "unknown role": (dict(messages=[{"role": "robot", "content": "Hi"}]), openai.BadRequestError, "messages"),
+    "image content": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+                      openai.BadRequestError, "messages"),
+    "empty messages": (dict(messages=[]), openai.BadRequestError, "messages"),
+    "n = 2": (dict(n=2), openai.BadRequestError, "n"),
+    "tools": (dict(tools=[{"type": "function", "function": {"name": "f"}}]), openai.BadRequestError, "tools"),
+    "logprobs": (dict(logprobs=True), openai.BadRequestError, "logprobs"),
+    "presence penalty": (dict(presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
+    "json mode": (dict(response_format={"type": "json_object"}), openai.BadRequestError, "response_format"),
+    "logit bias": (dict(logit_bias={"1": 5}), openai.BadRequestError, "logit_bias"),
+    "max tokens 0": (dict(max_completion_tokens=0), openai.BadRequestError, "max_completion_tokens"),
+    "negative temperature": (dict(temperature=-1), openai.BadRequestError, "temperature"),
+    "top_p 2": (dict(top_p=2), openai.BadRequestError, "top_p"),
+    "text temperature": (dict(extra_body={"temperature": "hot"}), openai.BadRequestError, "temperature"),
+    "unknown field": (dict(extra_body={"best_of_n": 3}), openai.BadRequestError, "best_of_n"),
+    "too long": (dict(max_tokens=100000), openai.BadRequestError, None),
+    "unknown model": (dict(model="gpt-4o"), openai.NotFoundError, "model"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
+def test_bad_requests_raise_the_clients_matching_exception(client, case):
+    fields, exception, param = BAD_REQUESTS[case]
+    request = {"model": MODEL, "messages": CONVERSATION[1:2], "max_tokens": 8, **fields}
+    for stream in (False, True):
+        with pytest.raises(exception) as raised:
+            list(client.chat.completions.create(**request, stream=stream)) if stream else \
+                client.chat.completions.create(**request)
+        error = raised.value.body
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    assert client.chat.completions.create(model=MODEL, messages=CONVERSATION[1:2], max_tokens=2).choices  # serving
+
+
+def test_raw_http_errors_have_openais_shape(default_server):
+    url = default_server.gateway.url
+    for path, body, status in [("/v1/chat/completions", b"{not json", 400), ("/v1/nothing", b"{}", 404),
+                               ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * (5 << 20)}).encode(),
+                                413)]:
+        reply = httpx.post(url + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+        assert reply.status_code == status and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(url + "/health", timeout=10).json() == {"ready": True, "detail": ""}
+
+
+def test_an_api_key_is_required_once_set(default_server):
+    gateway = start_gateway(default_server.grpc_url, MODEL, 0, "s3cret", graceful_seconds=1)
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="wrong", max_retries=0) as wrong:
+            with pytest.raises(openai.AuthenticationError):
+                wrong.models.list()
+            with pytest.raises(openai.AuthenticationError):
+                wrong.chat.completions.create(model=MODEL, messages=CONVERSATION[1:2], max_tokens=2)
+        assert httpx.get(gateway.url + "/v1/models", timeout=10).status_code == 401  # no key at all
+        assert httpx.get(gateway.url + "/health", timeout=10).status_code == 200  # probes send none
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="s3cret", max_retries=0) as right:
+            assert [m.id for m in right.models.list()] == [MODEL]
+        # dflash-serve's watch sees a dead gateway (and then stops the server, exit status 3)
+        watched = dataclasses.replace(default_server, gateway=gateway)
+        assert watched.health_problem() is None
+        gateway.process.kill()
+        gateway.process.wait()
+        assert "the OpenAI gateway exited" in watched.health_problem()
+    finally:
+        gateway.stop(5)
+
+
+def test_a_client_that_goes_away_frees_its_slot_within_a_second(default_server):
+    cancelled = metric(default_server, "dflash_cancelled_requests_total")
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+               "max_tokens": 1000, "min_tokens": 1000}
+    with httpx.stream("POST", f"{default_server.gateway.url}/v1/chat/completions", json={**request, "stream": True},
+                      timeout=120) as reply:
+        lines = reply.iter_lines()
+        for _ in range(4):  # the role, then text: it is decoding
+            assert next(line for line in lines if line.startswith("data: "))
+        assert wait_for_metric(default_server, "dflash_active_sequences", 1)
+    start = time.monotonic()
+    assert wait_for_metric(default_server, "dflash_active_sequences", 0, timeout=1.0), "still decoding after 1 s"
+    freed_in = time.monotonic() - start
+    # a non-streamed request whose client times out
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{default_server.gateway.url}/v1/chat/completions", json=request, timeout=3)
+    assert wait_for_metric(default_server, "dflash_active_sequences", 0, timeout=1.0 + 0.25)
+    assert metric(default_server, "dflash_cancelled_requests_total") == cancelled + 2 and freed_in < 1.0
+
+
+def test_eight_concurrent_streams_give_the_texts_of_eight_solo_runs(client, default_server):
+    def request(question):
+        return {"model": MODEL, "messages": [{"role": "user", "content": question}], **GREEDY}
+
+    solo = {q: client.chat.completions.create(**request(q)).choices[0].message.content for q in QUESTIONS}
+
+    async def together():
+        async with openai.AsyncOpenAI(base_url=f"{default_server.gateway.url}/v1", api_key="x", max_retries=0) as c:
+            async def one(question):
+                stream = await c.chat.completions.create(**request(question), stream=True)
+                return "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+
+            return await asyncio.gather(*(one(q) for q in QUESTIONS))
+
+    assert dict(zip(QUESTIONS, asyncio.run(together()))) == solo
+
+
+def test_the_gateway_imports_and_serves_without_torch():
+    # `pip install ./gateway` brings no torch: the app must build (and import everything it serves with) without it
+    code = ("import sys; import gateway.main, gateway.app, gateway.api; "
+            "gateway.app.create_app(gateway.app.Settings('localhost:1', 'm')); "
+            "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
