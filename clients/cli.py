@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="dflash-client", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
-        description="Generate text with a DFlash Triton server (model `dflash_bls`), check its health.")
+        description="Generate text with a DFlash Triton server (model `dflash_bls`, or a --runtime trtllm "
+                    "build's `tensorrt_llm`: raw text only there, --raw), check its health.")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser(
         "generate", parents=[connection, sampling], help="answer one prompt, streamed to stdout",
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--prompt", help="answer this one message and exit")
     chat.add_argument("--system", help="a system prompt at the start of the conversation")
     health = commands.add_parser("health", parents=[connection], help="exit 0 only when the server is ready",
-                                 description="Check that the server is live and the `dflash_bls` model is ready.")
+                                 description="Check that the server is live and its front model "
+                                 "(`dflash_bls` or `tensorrt_llm`) is ready.")
     health.add_argument("--wait", type=float, default=0, metavar="SECONDS",
                         help="poll until ready for up to SECONDS (default: check once)")
     return parser

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from .errors import IncompleteResponse, RequestCancelled, RequestTimeout, ServerUnavailable
 from .params import GenerationParams, Prompt, prompt_inputs
 from .results import Generation, Health, TextChunk, Timings
-from .transport import TLS, Protocol, Request, Response, open_transport
+from .transport import TLS, Protocol, Request, Response, Templater, open_transport
 
 log = logging.getLogger("clients")
 
@@ -41,16 +41,18 @@ class RetryPolicy:
 
 
 class AsyncDFlashClient:
-    """Generate text with a DFlash Triton server (its `dflash_bls` model).
+    """Generate text with a DFlash Triton server (its `dflash_bls` model, or a trtllm build's `tensorrt_llm`).
 
     url: HOST:PORT of the server's gRPC (default) or HTTP endpoint. timeout: the default per-request
-    limit in seconds (None = none), for the whole request including retries.
+    limit in seconds (None = none), for the whole request including retries. templater: the target's chat
+    template and tokenizer (gateway.chat_template.ChatTemplate) for a `--runtime trtllm` server, whose model
+    takes raw text only; without one, only raw text (chat=False) goes to such a server.
     """
 
     def __init__(self, url: str, protocol: Protocol = "grpc", *, tls: TLS | None = None,
-                 retry: RetryPolicy = RetryPolicy(), timeout: float | None = None):
+                 retry: RetryPolicy = RetryPolicy(), timeout: float | None = None, templater: Templater | None = None):
         self.url, self.protocol, self.retry, self.timeout = url, protocol, retry, timeout
-        self._transport = open_transport(url, protocol, tls)
+        self._transport = open_transport(url, protocol, tls, templater)
 
     def stream(self, prompt: Prompt, params: GenerationParams | None = None, *, chat: bool = True,
                timeout: float | None = None) -> AsyncTextStream:

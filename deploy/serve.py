@@ -169,13 +169,16 @@ class Gateway:
 
 
 def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, graceful_seconds: float,
-                  timeout: float = 60) -> Gateway:
-    """Start the gateway on `port` (0: a free one) for the tritonserver at grpc_url, and wait until it serves."""
+                  timeout: float = 60, target_dir: Path | None = None) -> Gateway:
+    """Start the gateway on `port` (0: a free one) for the tritonserver at grpc_url, and wait until it serves.
+    target_dir: the target checkpoint whose chat template and tokenizer the gateway uses (gateway_target_dir)."""
     env = {k: v for k, v in os.environ.items() if k != OPENAI_API_KEY_ENV}
     if api_key:
         env[OPENAI_API_KEY_ENV] = api_key  # not in argv, where ps would show it
     command = [sys.executable, "-m", "gateway.main", "--triton-url", grpc_url, "--model-id", model_id,
                "--port", str(port), "--graceful-seconds", str(graceful_seconds)]
+    if target_dir is not None:
+        command += ["--target-dir", str(target_dir)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()  # "dflash-gateway: listening on http://HOST:PORT ...", or nothing if it died
     if "listening on http://" not in line:
@@ -207,6 +210,17 @@ def model_id(repository: Path) -> str:
         return read_manifest(repository.parent).model_id
     except DFlashError:
         return repository.parent.name
+
+
+def gateway_target_dir(repository: Path) -> Path | None:
+    """The build's target checkpoint, for a repository whose front model takes raw text only (TensorRT-LLM's
+    LLM-API model): the gateway templates conversations and counts tokens with it. None otherwise."""
+    if not (repository / TRTLLM_MODEL).is_dir():
+        return None
+    try:
+        return read_manifest(repository.parent).target_dir
+    except DFlashError:
+        return None
 
 
 @dataclass
@@ -393,6 +407,8 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     ports = {"http": http_port or free_port(), "grpc": grpc_port or free_port(),
              "metrics": metrics_port or free_port()}
     runtime = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
+    # from the build beside the repository, not the staged copy's runtime folder
+    served_id, target_dir = model_id(repository), gateway_target_dir(repository)
     try:
         repository = stage_trtllm_repository(repository, runtime, Path(trtllm_model_code))
     except BaseException:
@@ -426,8 +442,8 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     try:
         server.wait_ready(ready_timeout)
         if openai_port is not None:
-            server.gateway = start_gateway(server.grpc_url, model_id(repository), openai_port, openai_api_key,
-                                           drain_seconds + DRAIN_SLACK_S)
+            server.gateway = start_gateway(server.grpc_url, served_id, openai_port, openai_api_key,
+                                           drain_seconds + DRAIN_SLACK_S, target_dir=target_dir)
     except BaseException:  # also SIGINT/SIGTERM while models load: never leave tritonserver behind
         process.kill()
         process.wait()

@@ -9,7 +9,10 @@ and `dflash-generate` all follow this rule.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+
+from . import DFlashError
 
 # tensorrtllm_backend's optional inputs that its clients send (NVIDIA's genai-perf sends the first one to every
 # model): name -> (wire type, the one value we serve, what it asks for). Declared so that such requests reach us;
@@ -92,6 +95,40 @@ def response_statistics(draft_steps: int, accepted_draft_tokens: int, draft_toke
         "draft_steps": draft_steps,
         "mean_acceptance_length": (accepted_draft_tokens + draft_steps) / draft_steps if draft_steps else 0.0,
     }
+
+
+def parse_messages(raw: str) -> list[dict[str, str]]:
+    """A conversation in OpenAI's shape (the `messages` input) as [{"role", "content": str}]; DFlashError naming
+    the message and field for anything else. The front models' check, and the gateway's where it templates."""
+    try:
+        messages = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"messages: not JSON ({e})") from None
+    if not isinstance(messages, list) or not messages:
+        raise DFlashError("messages must be a non-empty JSON list of {\"role\", \"content\"} objects")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, message) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise DFlashError(f"{where} must be an object with role and content")
+    unknown = sorted(set(message) - {"role", "content"})
+    if unknown:
+        raise DFlashError(f"{where}.{unknown[0]} is not supported (a message has role and content)")
+    role, content = message.get("role"), message.get("content")
+    if role not in MESSAGE_ROLES:
+        raise DFlashError(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise DFlashError(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                  f"are supported, got {kind!r}")
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise DFlashError(f"{where}.content must be a string or a list of text parts")
+    return {"role": role, "content": content}
 
 
 def config_type(data_type: str) -> str:

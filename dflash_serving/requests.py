@@ -6,14 +6,13 @@ messages name the field; the models send them as INVALID_ARG errors (dflash_cont
 """
 from __future__ import annotations
 
-import json
 from typing import Callable
 
 import numpy as np
 
 from dflash_contract import DFlashError
-from dflash_contract.protocol import (ALIASES, FIXED_INPUTS, FRONT_INPUTS, MESSAGE_ROLES, PROMPT_INPUTS,
-                                      REQUIRED_INPUTS, range_error)
+from dflash_contract.protocol import (ALIASES, FIXED_INPUTS, FRONT_INPUTS, PROMPT_INPUTS, REQUIRED_INPUTS,
+                                      parse_messages, range_error)
 from dflash_runtime.sampling import SamplingParams
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
@@ -44,40 +43,6 @@ def parse_front_request(tensor: TensorGetter) -> tuple[str | list[dict[str, str]
     if not text:
         raise DFlashError("text_input must not be empty")
     return text, bool(scalar(tensor, "apply_chat_template", False))
-
-
-def parse_messages(raw: str) -> list[dict[str, str]]:
-    """A conversation in OpenAI's shape (dflash_contract.protocol: messages) as [{"role", "content": str}];
-    DFlashError naming the field for anything else."""
-    try:
-        messages = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"messages: not JSON ({e})") from None
-    if not isinstance(messages, list) or not messages:
-        raise DFlashError("messages must be a non-empty JSON list of {\"role\", \"content\"} objects")
-    return [_message(i, m) for i, m in enumerate(messages)]
-
-
-def _message(i: int, message) -> dict[str, str]:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise DFlashError(f"{where} must be an object with role and content")
-    unknown = sorted(set(message) - {"role", "content"})
-    if unknown:
-        raise DFlashError(f"{where}.{unknown[0]} is not supported (a message has role and content)")
-    role, content = message.get("role"), message.get("content")
-    if role not in MESSAGE_ROLES:
-        raise DFlashError(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}")
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise DFlashError(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                  f"are supported, got {kind!r}")
-        content = "".join(part["text"] for part in content)
-    if not isinstance(content, str):
-        raise DFlashError(f"{where}.content must be a string or a list of text parts")
-    return {"role": role, "content": content}
 
 
 def parse_engine_request(tensor: TensorGetter) -> tuple[list[int], SamplingParams, bool]:

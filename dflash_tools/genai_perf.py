@@ -1,7 +1,7 @@
 """NVIDIA genai-perf, unmodified, against our Triton front models: one table of TTFT, ITL and throughput.
 
 `make genai-perf` runs this: it installs genai-perf 0.0.16 into its own venv (.venv/genai-perf; its perf_analyzer
-binary comes from tritonclient 2.50.0, whose build runs on glibc 2.36 with Debian's libb64 and PyPI's CUDA runtime),
+binary comes from tritonclient 2.50.0, whose build runs on glibc 2.36, with Debian's libb64 and PyPI's CUDA runtime),
 builds the embedded default, and then this script
 
 1. starts `dflash-serve BUILD/model_repository` on free ports (its "ready: grpc HOST:PORT ..." line gives the port;
@@ -15,9 +15,9 @@ builds the embedded default, and then this script
    (profile_export_genai_perf.json); the rows also go to ARTIFACTS/summary.json.
 
 genai-perf's tensorrtllm backend always talks to Triton through perf_analyzer's gRPC stream (`-i grpc --streaming`):
-"streaming" here is the request's `stream` input (tokens as accepted) versus one complete response. Without
-streaming genai-perf reports no time to first token; inter-token latency is then (latency - TTFT) / tokens, i.e.
-latency / tokens over a single response, and is left out too.
+"streaming" here is the request's `stream` input (tokens as they are accepted) versus one complete response. Without
+streaming, genai-perf's time to first token is the whole request's latency and it reports no inter-token latency:
+the table shows the latency column for those rows.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--genai-perf-venv", type=Path, default=ROOT / ".venv" / "genai-perf",
                    help="the venv holding genai-perf and tritonclient's perf_analyzer")
     p.add_argument("--artifacts", type=Path, default=ROOT / "builds" / "genai-perf",
-                   help="genai-perf's artifacts, the server log and summary.json (replaced on each run)")
+                   help="genai-perf's artifacts, the server log and summary.json (a previous run's are replaced)")
     p.add_argument("--url", help="HOST:PORT of a running server's gRPC port (default: start one on free ports)")
     p.add_argument("--models", nargs="+", default=["ensemble", "dflash_bls"])
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 8])
@@ -92,7 +92,7 @@ def check_tools(venv: Path, env: dict) -> None:
     for tool in ("genai-perf", "perf_analyzer"):
         if not (venv / "bin" / tool).exists():
             sys.exit(f"{venv / 'bin' / tool} is missing: `make genai-perf` installs it")
-    # perf_analyzer's own check: it exits 0 or 1 on --version; a missing library fails the loader with 127.
+    # a missing shared library stops perf_analyzer in the loader, before it parses any option
     probe = subprocess.run([str(venv / "bin" / "perf_analyzer"), "--version"], env=env, capture_output=True, text=True)
     if "error while loading shared libraries" in probe.stderr:
         sys.exit(f"perf_analyzer cannot start: {probe.stderr.strip()}\n"
@@ -116,18 +116,23 @@ class Server:
         self.log = open(log_path, "w")
         print("$ " + " ".join(cmd), flush=True)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + ready_timeout
+        try:
+            self.url = self._wait_ready(ready_timeout)
+        except BaseException:  # not ready in time, or interrupted while waiting: no server left behind
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
         while True:
-            match = READY.search(log_path.read_text(errors="replace"))
+            match = READY.search(self.log_path.read_text(errors="replace"))
             if match:
-                host = "127.0.0.1" if match.group(1) in ("localhost", "0.0.0.0") else match.group(1)
-                self.url = f"{host}:{match.group(2)}"
                 print(match.group(0), flush=True)
-                return
+                host = "127.0.0.1" if match.group(1) in ("localhost", "0.0.0.0") else match.group(1)
+                return f"{host}:{match.group(2)}"
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                sys.exit(f"dflash-serve did not become ready (status {self.proc.returncode}); "
-                         f"last lines of {log_path}:\n{self.tail()}")
+                sys.exit(f"dflash-serve did not become ready (status {self.proc.poll()}); "
+                         f"last lines of {self.log_path}:\n{self.tail()}")
             time.sleep(1)
 
     def tail(self, lines: int = 30) -> str:
@@ -209,16 +214,34 @@ def run_one(args, env: dict, model: str, streaming: bool, concurrency: int, url:
     export = artifact_dir / f"{model}-triton-tensorrtllm-concurrency{concurrency}" / "profile_export_genai_perf.json"
     if status == 0 and export.exists():
         row.update(read_export(export))
+        if not streaming:  # one response: genai-perf's "first token" is the whole answer (= latency)
+            row["ttft_p50_ms"] = None
         row["export"] = str(export)
     else:
-        text = log.read_text(errors="replace")
-        errors = [line.strip() for line in text.splitlines()
-                  if re.search(r"error|exception|failed|not found", line, re.IGNORECASE)]
         reason = f"timed out after {args.run_timeout:.0f} s" if status is None else f"exit status {status}"
-        row["error"] = f"{reason}: {errors[-1] if errors else 'see ' + str(log)}"
+        row["error"] = f"{reason}: {failure_text(log.read_text(errors='replace')) or 'see ' + str(log)}"
     print(f"  {row['seconds']} s: " + (row.get("error") or
           f"{row['request_count']:.0f} requests, {row['output_tokens_per_s']:.2f} output tokens/s"), flush=True)
     return row
+
+
+def failure_text(log: str) -> str:
+    """perf_analyzer's own complaint: genai-perf discards its stdout, so it is the stderr text that genai-perf's log
+    shows between "Running Perf Analyzer" and its traceback (e.g. "error: failed to get model metadata: ...").
+    Failing that, genai-perf's last error line."""
+    lines = log.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Running Perf Analyzer" in line), None)
+    if start is not None:
+        said = []
+        for line in lines[start + 1:]:
+            if line.startswith("Traceback"):
+                break
+            if line.strip() and not line.startswith(" " * 20) and not line.startswith("Progress"):
+                said.append(line.strip())
+        if said:
+            return " ".join(said)[:400]
+    errors = [line.strip() for line in lines if re.search(r"error|exception|failed", line, re.IGNORECASE)]
+    return errors[-1][:400] if errors else ""
 
 
 def table(rows: list[dict]) -> str:
@@ -239,16 +262,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+MARKER = ".dflash-genai-perf"  # marks a folder this script made, so that a rerun may empty it
+
+
+def prepare_artifacts(folder: Path) -> None:
+    """An empty folder for this run's artifacts: a previous run's is emptied, any other non-empty folder refused."""
+    if folder.exists() and any(folder.iterdir()):
+        if not (folder / MARKER).exists():
+            sys.exit(f"{folder} is not empty and was not made by this script: choose another --artifacts")
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARKER).touch()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # the server is stopped on the way out
     args.build, args.genai_perf_venv, args.artifacts = (p.resolve() for p in (args.build, args.genai_perf_venv,
                                                                               args.artifacts))
     env = genai_perf_env(args.genai_perf_venv)
     check_tools(args.genai_perf_venv, env)
     if not (args.build / "target" / "tokenizer.json").exists():
         sys.exit(f"{args.build} is not a build (no target/tokenizer.json): run builder/build.py --output {args.build}")
-    shutil.rmtree(args.artifacts, ignore_errors=True)
-    args.artifacts.mkdir(parents=True)
+    prepare_artifacts(args.artifacts)
     versions = {"genai-perf": subprocess.run([str(args.genai_perf_venv / "bin" / "genai-perf"), "--version"],
                                              env=env, capture_output=True, text=True).stdout.strip()}
 

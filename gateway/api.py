@@ -161,7 +161,8 @@ def _name(name: str, max_tokens_name: str) -> str:
 
 # The front model's input names that a refusal starts with -> the request field they came from
 SERVER_FIELDS = {"messages": "messages", "text_input": "prompt", "stop_words": "stop", "temperature": "temperature",
-                 "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_tokens": "min_tokens"}
+                 "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_tokens": "min_tokens",
+                 "end_id": "ignore_eos"}  # end_id: what ignore_eos becomes (_translated)
 
 
 def param_of(message: str) -> str | None:

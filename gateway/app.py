@@ -26,6 +26,7 @@ from clients.transport import GrpcTransport, Response
 from dflash_contract.server import GATEWAY_HEALTH_PATH
 
 from . import api
+from .chat_template import ChatTemplate
 
 DISCONNECT_CHECK_SECONDS = 0.25  # how often a non-streamed request looks for its client
 RETRY_AFTER_SECONDS = 1
@@ -38,6 +39,9 @@ class Settings:
     api_key: str | None = None  # None: no authentication
     default_max_tokens: int = 512  # for a chat request without max_completion_tokens / max_tokens
     max_body_bytes: int = 4 << 20
+    # the build's target checkpoint: its chat template and tokenizer, for a front model that takes raw text only
+    # (a --runtime trtllm build's tensorrt_llm); None: conversations go to the server, which templates them
+    target_dir: str | None = None
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -46,7 +50,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
-        transport["grpc"] = GrpcTransport(settings.triton_url)
+        templater = ChatTemplate.from_target_dir(settings.target_dir) if settings.target_dir else None
+        transport["grpc"] = GrpcTransport(settings.triton_url, templater=templater)
         yield
         await transport["grpc"].close()
 

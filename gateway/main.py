@@ -26,10 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-gateway", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
         description="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) in front of "
-                    "a DFlash Triton server's dflash_bls model, over gRPC.")
+                    "a DFlash Triton server's dflash_bls model (or a --runtime trtllm build's tensorrt_llm), over gRPC.")
     parser.add_argument("--triton-url", default=f"localhost:{PORTS['grpc']}", help="tritonserver's gRPC HOST:PORT")
     parser.add_argument("--model-id", required=True, help="the model's id in /v1/models and in requests "
                         "(dflash-serve passes the build's target preset, or its target directory's name)")
+    parser.add_argument("--target-dir", help="the build's target checkpoint (<build>/target): for a --runtime "
+                        "trtllm server, whose model takes raw text only, the gateway puts conversations in its chat "
+                        "template and counts tokens with its tokenizer.json (dflash-serve passes it)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=PORTS["openai"], help="0 = pick a free port (printed)")
     parser.add_argument("--api-key", default=os.environ.get(OPENAI_API_KEY_ENV) or None,
@@ -47,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import uvicorn
 
-    settings = Settings(args.triton_url, args.model_id, args.api_key, args.default_max_tokens, args.max_body_bytes)
+    settings = Settings(args.triton_url, args.model_id, args.api_key, args.default_max_tokens, args.max_body_bytes,
+                        args.target_dir)
     # bound here, so that port 0 is known before serving (and said once, for whoever started us)
     sock = socket.create_server((args.host, args.port), reuse_port=False)
     host, port = sock.getsockname()[:2]

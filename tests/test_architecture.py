@@ -12,7 +12,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CORE = "dflash_runtime"
-ABOVE_THE_CORE = ("builder", "clients", "deploy", "dflash_serving", "dflash_training", "dflash_tools", "plugins")
+ABOVE_THE_CORE = ("builder", "clients", "deploy", "dflash_serving", "dflash_training", "dflash_tools", "gateway",
+                  "plugins")
 # A finder that refuses torch (and what needs it), as on a machine where only the client is installed.
 HIDE_TORCH = """
 import importlib.abc, sys
@@ -54,6 +55,10 @@ def test_the_contract_is_plain_python():
 @pytest.mark.parametrize("code", [
     # the client library and its CLI, as a backend service installs them
     "import clients, clients.cli; assert clients.cli.main(['--help']) == 0",
+    # the OpenAI gateway, as `pip install ./gateway` installs it: it builds and serves (no tritonserver needed here)
+    "from fastapi.testclient import TestClient; from gateway import app, main; main.build_parser(); "
+    "c = TestClient(app.create_app(app.Settings('localhost:1', 'm'))).__enter__(); "
+    "assert c.get('/v1/models').json()['data'][0]['id'] == 'm'; c.__exit__(None, None, None)",
     # the Kubernetes renderer, end to end
     "import sys; from deploy.k8s import render; sys.exit(render.main(['-o', sys.argv[1]]))",
 ])

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import subprocess
-import sys
 import time
 
 import httpx
@@ -225,11 +223,3 @@ def test_eight_concurrent_streams_give_the_texts_of_eight_solo_runs(client, defa
             return await asyncio.gather(*(one(q) for q in QUESTIONS))
 
     assert dict(zip(QUESTIONS, asyncio.run(together()))) == solo
-
-
-def test_the_gateway_imports_and_serves_without_torch():
-    # `pip install ./gateway` brings no torch: the app must build (and import everything it serves with) without it
-    code = ("import sys; import gateway.main, gateway.app, gateway.api; "
-            "gateway.app.create_app(gateway.app.Settings('localhost:1', 'm')); "
-            "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
