@@ -185,9 +185,10 @@ def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, 
         process.kill()
         process.wait()
         raise ServeError(f"the OpenAI gateway did not start (exit code {process.returncode}): {line.strip()}")
-    print(line, end="", flush=True)
-    # its later output goes where ours does
-    threading.Thread(target=lambda: [print(out, end="", flush=True) for out in process.stdout], daemon=True).start()
+    # its output is log (stderr): stdout's first line stays dflash-serve's "ready: ..."
+    print(line, end="", file=sys.stderr, flush=True)
+    threading.Thread(target=lambda: [print(out, end="", file=sys.stderr, flush=True) for out in process.stdout],
+                     daemon=True).start()
     bound_port = int(line.split("listening on http://", 1)[1].split()[0].rsplit(":", 1)[1])
     gateway = Gateway(process, f"http://localhost:{bound_port}")
     deadline = time.monotonic() + timeout
