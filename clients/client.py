@@ -10,7 +10,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from .errors import IncompleteResponse, RequestCancelled, RequestTimeout, ServerUnavailable
 from .params import GenerationParams, Prompt, prompt_inputs
@@ -78,14 +78,7 @@ class AsyncDFlashClient:
 
     async def wait_ready(self, timeout: float, interval: float = 1.0) -> Health:
         """Poll until the server and the model are ready; ServerUnavailable (with the reason) after `timeout` s."""
-        deadline = time.monotonic() + timeout
-        while True:
-            health = await self.health()
-            if health.ready:
-                return health
-            if time.monotonic() + interval > deadline:
-                raise ServerUnavailable(f"{self.url} not ready after {timeout:g} s: {health.detail}", self.url)
-            await asyncio.sleep(interval)
+        return await wait_until_ready(self.health, self.url, timeout, interval)
 
     async def close(self) -> None:
         await self._transport.close()
@@ -98,6 +91,17 @@ class AsyncDFlashClient:
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+
+async def wait_until_ready(health: Callable[[], Awaitable[Health]], url: str, timeout: float,
+                           interval: float = 1.0) -> Health:
+    """Poll `health` until it says ready; ServerUnavailable (with the reason) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (state := await health()).ready:
+        if time.monotonic() + interval > deadline:
+            raise ServerUnavailable(f"{url} not ready after {timeout:g} s: {state.detail}", url)
+        await asyncio.sleep(interval)
+    return state
 
 
 class AsyncTextStream:

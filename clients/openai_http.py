@@ -12,6 +12,7 @@ import time
 
 from dflash_contract.server import GATEWAY_HEALTH_PATH
 
+from .client import wait_until_ready
 from .errors import DFlashClientError, InvalidRequest, ServerError, ServerUnavailable
 from .params import GenerationParams, Prompt
 from .results import Generation, Health, SpeculationStats, TextChunk, Timings
@@ -94,12 +95,7 @@ class OpenAIHttpClient:
             return Health(self.url, False, False, f"cannot reach the gateway at {self.url}: {e}")
 
     async def wait_ready(self, timeout: float, interval: float = 1.0) -> Health:
-        deadline = time.monotonic() + timeout
-        while not (health := await self.health()).ready:
-            if time.monotonic() + interval > deadline:
-                raise ServerUnavailable(f"{self.url} not ready after {timeout:g} s: {health.detail}", self.url)
-            await asyncio.sleep(interval)
-        return health
+        return await wait_until_ready(self.health, self.url, timeout, interval)
 
     async def close(self) -> None:
         await self._session.close()

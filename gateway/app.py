@@ -208,7 +208,10 @@ async def _events(t: api.Translated, model_id: str, chat: bool, first: Response,
     the gRPC request is cancelled on the way out."""
     def chunk(text: str | None, reason: str | None = None, stats=None) -> str:
         if chat:
-            delta = None if text is None else {"content": text} if reason is None or text else {}
+            if text is None:  # the usage chunk
+                delta = None
+            else:  # the finish chunk has an empty delta when no text came with it
+                delta = {"content": text} if text or reason is None else {}
             body = api.chat_chunk(t, model_id, delta, reason, stats)
         else:
             body = api.completion_chunk(t, model_id, text, reason, stats)
