@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from builder.options import RUNTIMES, BuildOptions, build_parser, check_quant_formats, options_from_args
+from builder.options import BuildOptions, build_parser, check_options, options_from_args
 from builder.render import TORCH_MODELS, render_repository
 from dflash_contract import DFlashError
 from dflash_contract.layout import (DRAFTER_DIR, MANIFEST_FILE, REPOSITORY_DIR, TARGET_DIR, TRTLLM_OPTIONS_FILE,
@@ -50,21 +50,7 @@ class Inputs:
 
 def resolve_inputs(opts: BuildOptions) -> Inputs:
     """Find the checkpoints and check that the drafter fits the target, before any heavy work."""
-    if opts.runtime not in RUNTIMES:
-        raise DFlashError(f"unknown runtime {opts.runtime!r} (known: {', '.join(RUNTIMES)})")
-    check_quant_formats(opts.quant, opts.kv_cache)
-    if opts.kv_cache == "fp8" and opts.quant == "none":
-        raise DFlashError("--kv-cache fp8 needs --quant fp8 or nvfp4 (the KV scales are calibrated with the weights)")
-    if opts.max_batch_size < 1 or opts.max_queue_size < 0 or opts.calib_samples < 1:
-        raise DFlashError("--max-batch-size and --calib-samples must be >= 1, --max-queue-size >= 0")
-    if opts.runtime == "trtllm":
-        from builder.trtllm import check_gpu_support, resolve_gpu
-
-        if opts.gpu is None:
-            raise DFlashError("--runtime trtllm needs --gpu (the serving GPU, e.g. h100, h200, b200)")
-        check_gpu_support(resolve_gpu(opts.gpu), opts.quant, "fp8" if opts.kv_cache == "fp8" else "auto")
-    elif (opts.tensor_parallel_size, opts.pipeline_parallel_size) != (1, 1):
-        raise DFlashError("tensor/pipeline parallelism needs --runtime trtllm (the torch runtime runs on one device)")
+    check_options(opts)
     target_dir, preset = resolve_target(opts.target)
     drafter_ref = (preset.drafter if preset else None) if opts.drafter == "preset" else opts.drafter
     if drafter_ref in (None, "none"):
@@ -86,6 +72,16 @@ def resolve_inputs(opts: BuildOptions) -> Inputs:
         raise DFlashError(f"--block-size {block_size} needs a drafter")
     max_context = opts.max_context or (preset.max_context if preset else 2048)
     return Inputs(target_dir, drafter_dir, drafter_config, preset.name if preset else None, block_size, max_context)
+
+
+def checked_flags(opts: BuildOptions) -> str:
+    """The flags check_options judged, as a command line: the target and runtime, and the others set."""
+    flags = [("--target", opts.target), ("--runtime", opts.runtime)]
+    flags += [(flag, value) for flag, value, default in [
+        ("--gpu", opts.gpu, None), ("--quant", opts.quant, "none"), ("--kv-cache", opts.kv_cache, "none"),
+        ("--tensor-parallel-size", opts.tensor_parallel_size, 1),
+        ("--pipeline-parallel-size", opts.pipeline_parallel_size, 1)] if value != default]
+    return " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in flags)
 
 
 def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
@@ -366,7 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     opts = options_from_args(args)
     output = args.output or Path("builds") / Path(args.target).name
     try:
-        opts = resolve_device_options(opts)
         training = None
         if args.train_drafter is not None:
             if args.drafter != "preset":
@@ -375,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise DFlashError("with --train-drafter the trainer sets the block size: "
                                   "--train-drafter='--block-size N ...'")
             training = drafter_training_args(args.target, args.train_drafter)
+        if args.check:  # the device is the build machine's, not this one's: left as given
+            check_options(opts)
+            print(f"check: ok: {checked_flags(opts)}")
+            return 0
+        opts = resolve_device_options(opts)
+        if training is not None:
             # everything but the drafter is checked before hours of training
             resolve_inputs(replace(opts, drafter="none"))
             _check_writable(output.resolve().parent)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_contract import DFlashError
-from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, block_size_argument, preset_table
+from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, PRESETS, block_size_argument, preset_table
 
 RUNTIMES = ("torch", "trtllm")
 QUANT_FORMATS = ("none", "fp8", "nvfp4")
@@ -57,6 +57,32 @@ class BuildOptions:
     sanity_tokens: int = 32
 
 
+def check_options(opts: BuildOptions) -> None:
+    """Refuse what the options alone rule out (runtime, quantization, GPU, parallelism, the preset's
+    runtimes), without checkpoints or devices: resolve_inputs' first step, and what `--check` runs."""
+    if opts.runtime not in RUNTIMES:
+        raise DFlashError(f"unknown runtime {opts.runtime!r} (known: {', '.join(RUNTIMES)})")
+    preset = PRESETS.get(opts.target)
+    if preset is not None and opts.runtime not in preset.runtimes:
+        raise DFlashError(f"preset {preset.name} runs on --runtime {' or '.join(preset.runtimes)} only, not "
+                          f"{opts.runtime}: {preset.description}")
+    check_quant_formats(opts.quant, opts.kv_cache)
+    if opts.kv_cache == "fp8" and opts.quant == "none":
+        raise DFlashError("--kv-cache fp8 needs --quant fp8 or nvfp4 (the KV scales are calibrated with the weights)")
+    if opts.max_batch_size < 1 or opts.max_queue_size < 0 or opts.calib_samples < 1:
+        raise DFlashError("--max-batch-size and --calib-samples must be >= 1, --max-queue-size >= 0")
+    if opts.tensor_parallel_size < 1 or opts.pipeline_parallel_size < 1:
+        raise DFlashError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
+    if opts.runtime == "trtllm":
+        from builder.trtllm import check_gpu_support, resolve_gpu
+
+        if opts.gpu is None:
+            raise DFlashError("--runtime trtllm needs --gpu (the serving GPU, e.g. h100, h200, b200)")
+        check_gpu_support(resolve_gpu(opts.gpu), opts.quant, "fp8" if opts.kv_cache == "fp8" else "auto")
+    elif (opts.tensor_parallel_size, opts.pipeline_parallel_size) != (1, 1):
+        raise DFlashError("tensor/pipeline parallelism needs --runtime trtllm (the torch runtime runs on one device)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="build.py",
@@ -102,7 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: CUDA when torch sees a GPU), cpu, cuda, cuda:N")
     parser.add_argument("--sanity-tokens", type=int, default=32, help="tokens per sanity prompt; 0 skips the run")
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    only = parser.add_mutually_exclusive_group()  # --dry-run reads the checkpoints, --check must not
+    only.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    only.add_argument("--check", action="store_true",
+                      help="check the flags (runtime, GPU, quantization, parallelism, the preset's runtimes) "
+                           "without reading checkpoints or devices or writing the output, e.g. a build Job's "
+                           "command on a machine without either: print what was checked and exit 0, or the error "
+                           "and exit 2. --device is left to the build machine; with --train-drafter its ARGS are "
+                           "checked too")
     return parser
 
 

@@ -22,6 +22,7 @@ class Preset:
     block_size: int = 16
     max_context: int = 4096
     gguf: tuple[str, str] | None = None  # (python package, file) that ships the target's weights
+    runtimes: tuple[str, ...] = ("torch", "trtllm")  # the build's --runtime values that can serve it
 
 
 PRESETS = {p.name: p for p in [
@@ -35,7 +36,8 @@ PRESETS = {p.name: p for p in [
     Preset("llama3.1-8b", "Llama-3.1-8B-Instruct with z-lab's UltraChat DFlash drafter",
            target="meta-llama/Llama-3.1-8B-Instruct", drafter="z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
     Preset("qwen3-coder-30b-a3b", "Qwen3-Coder-30B-A3B with z-lab's DFlash drafter (TensorRT-LLM only: MoE)",
-           target="Qwen/Qwen3-Coder-30B-A3B-Instruct", drafter="z-lab/Qwen3-Coder-30B-A3B-DFlash"),
+           target="Qwen/Qwen3-Coder-30B-A3B-Instruct", drafter="z-lab/Qwen3-Coder-30B-A3B-DFlash",
+           runtimes=("trtllm",)),  # dflash_runtime has no MoE layers
 ]}
 
 DEFAULT_PRESET = "smollm2-135m"

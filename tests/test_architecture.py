@@ -61,6 +61,8 @@ def test_the_contract_is_plain_python():
     "assert c.get('/v1/models').json()['data'][0]['id'] == 'm'; c.__exit__(None, None, None)",
     # the Kubernetes renderer, end to end
     "import sys; from deploy.k8s import render; sys.exit(render.main(['-o', sys.argv[1]]))",
+    # the Helm chart's facts from Python (files/contract.yaml), as `python -m deploy.helm.contract --check` runs it
+    "from deploy.helm import contract; assert contract.main(['--check']) == 0",
 ])
 def test_runs_without_torch(code, tmp_path):
     result = subprocess.run([sys.executable, "-c", HIDE_TORCH + code, str(tmp_path / "rendered")], cwd=REPO,

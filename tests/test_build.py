@@ -84,11 +84,63 @@ def test_trtllm_build_writes_llm_api_artifacts(tiny, tmp_path):
     (["--kv-cache", "fp8"], "needs --quant"),
     (["--block-size", "32"], "larger than the drafter supports"),
     (["--device", "cuda"], "sees no CUDA GPU here"),
+    (["--target", "qwen3-coder-30b-a3b"], "runs on --runtime trtllm only, not torch"),
+    (["--tensor-parallel-size", "0", "--runtime", "trtllm", "--gpu", "h100"], "must be >= 1"),
 ])
 def test_bad_options_fail_before_any_work(argv, message, tmp_path, capsys):
     assert main([*argv, "--output", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def no_checkpoints_or_devices(monkeypatch):
+    """--check must pass or fail on the flags alone: reading a checkpoint or a device fails the test."""
+    def touched(*_):
+        raise AssertionError("--check read a checkpoint or a device")
+
+    for name in ("resolve_inputs", "resolve_device_options", "resolve_target", "resolve_checkpoint"):
+        monkeypatch.setattr(f"builder.build.{name}", touched)
+
+
+def test_check_passes_flags_a_gpu_cluster_would_run(no_checkpoints_or_devices, tmp_path, capsys):
+    """A build Job's command, checked on this CPU machine without its checkpoints."""
+    argv = ["--target", "qwen3-coder-30b-a3b", "--runtime", "trtllm", "--gpu", "h100", "--quant", "fp8",
+            "--tensor-parallel-size", "2", "--output", str(tmp_path / "out")]
+    assert main([*argv, "--check"]) == 0
+    assert capsys.readouterr().out == ("check: ok: --target qwen3-coder-30b-a3b --runtime trtllm --gpu h100 "
+                                       "--quant fp8 --tensor-parallel-size 2\n")
+    assert main(["--device", "cuda", "--check"]) == 0  # the cluster's device, not this machine's
+    assert capsys.readouterr().out == "check: ok: --target smollm2-135m --runtime torch\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--runtime", "trtllm"], "--runtime trtllm needs --gpu"),
+    (["--runtime", "trtllm", "--gpu", "h100", "--quant", "nvfp4"], "quantization nvfp4 does not run on h100"),
+    (["--target", "qwen3-coder-30b-a3b"], "preset qwen3-coder-30b-a3b runs on --runtime trtllm only, not torch"),
+    (["--tensor-parallel-size", "2"], "tensor/pipeline parallelism needs --runtime trtllm"),
+    (["--tensor-parallel-size", "0", "--runtime", "trtllm", "--gpu", "h100"],
+     "--tensor-parallel-size and --pipeline-parallel-size must be >= 1"),
+    (["--train-drafter=--no-such-option"], "bad arguments for dflash-train-drafter"),
+])
+def test_check_refuses_what_the_flags_rule_out(argv, message, no_checkpoints_or_devices, capsys):
+    assert main([*argv, "--check"]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "check: ok" not in captured.out
+
+
+def test_check_and_dry_run_do_not_combine(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--check", "--dry-run"])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_every_preset_names_known_runtimes():
+    from builder.options import RUNTIMES
+    from dflash_contract.presets import PRESETS
+
+    assert all(p.runtimes and set(p.runtimes) <= set(RUNTIMES) for p in PRESETS.values())
 
 
 def test_drafter_that_does_not_fit_the_target_is_refused(tiny, tmp_path):

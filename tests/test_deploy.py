@@ -1,11 +1,13 @@
-"""Deployment: the container images and the Kubernetes manifests rendered by deploy/k8s/render.py.
+"""Deployment: the container images and the Helm chart deploy/helm/dflash, rendered by Helm's own engine.
 
-No cluster and no Docker engine here. Every overlay is rendered; its built-in objects are validated
-against the Kubernetes API schemas (kubernetes-validate, strict); the Prometheus Operator objects
-(ServiceMonitor, PrometheusRule), whose schemas kubernetes-validate does not carry, and the
-prometheus-adapter rules are checked structurally against each other and the HPA; checkov runs on the
-manifests and the Dockerfiles; ports, probes and paths are checked against what the launcher
-and the builder actually use (dflash_contract, builder/options.py).
+No cluster and no Docker engine here. helm-python-sdk runs Helm's Go SDK in process (the same code as the
+`helm` CLI, offline): the chart is linted (strict) and rendered for the defaults and every shipped values
+file; its built-in objects are validated against the Kubernetes API schemas (kubernetes-validate, strict);
+the Prometheus Operator objects (ServiceMonitor, PrometheusRule), whose schemas kubernetes-validate does not
+carry, and the prometheus-adapter rules are checked structurally against each other and the HPA; checkov runs
+on the manifests and the Dockerfiles; ports, probes, paths, presets and the build Job's flags are checked
+against what the launcher and the builder actually use (dflash_contract, builder/build.py, run with --check);
+the `helm test` pod's commands run against a real server.
 """
 from __future__ import annotations
 
@@ -16,43 +18,81 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import helm_python
 import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from deploy.k8s import render
-from deploy.k8s.render import RenderError, load_values
+from builder.trtllm import GPUS
+from deploy.helm import contract
 from dflash_contract.layout import MANIFEST_FILE, REPOSITORY_DIR
 from dflash_contract.presets import PRESETS
-from dflash_contract.server import GATEWAY_HEALTH_PATH, LIVE_PATH, METRICS_PATH, PORTS, READY_PATH, SHUTDOWN_SECONDS
+from dflash_contract.server import (GATEWAY_HEALTH_PATH, LIVE_PATH, METRICS_PATH, OPENAI_API_KEY_ENV, PORTS, READY_PATH,
+                                    SHUTDOWN_SECONDS)
 
 REPO = Path(__file__).resolve().parent.parent
-OVERLAYS = {"default": [], **{p.stem: [p] for p in sorted((REPO / "deploy/k8s/values").glob("*.yaml"))}}
-# What is rendered and checked (schemas, checkov, ...): every overlay, and the defaults with the OpenAI
-# gateway's API key from a Secret (off by default, so no overlay has it).
-API_KEY_SECRET = {"name": "dflash-openai", "key": "token"}
-RENDERINGS = {**{name: (overlays, []) for name, overlays in OVERLAYS.items()},
-              "openai-api-key": ([], [f"openai.apiKeySecret.{k}={v}" for k, v in API_KEY_SECRET.items()])}
-# Kubernetes' IsValidPortName: a named container port (and a targetPort by name) is an IANA_SVC_NAME
-IANA_SVC_NAME = re.compile(r"(?=.{1,15}$)(?=[-a-z0-9]*[a-z])(?!.*--)[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+CHART = REPO / "deploy/helm/dflash"
+ADAPTER_VALUES = REPO / "deploy/helm/prometheus-adapter-values.yaml"
+RELEASE, NAMESPACE = "dflash", "dflash"
+VALUES_FILES = {p.stem: p for p in sorted((CHART / "values").glob("*.yaml"))}
 # A deployment pins the image it pushed (deploy/README.md): checkov's CKV_K8S_43 requires the digest.
 DIGEST = "sha256:" + "ab" * 32
+API_KEY_SECRET = {"name": "dflash-openai", "key": "token"}
+# What is rendered and checked (schemas, checkov, the builder's --check, ...): the defaults, every shipped
+# values file, and the tests' overlays: the gateway's API key from a Secret, and a torch build on H100s
+# quantized to FP8 whose GPU type must reach the build.
+RENDERINGS = {"default": ([], []),
+              **{name: ([path], []) for name, path in VALUES_FILES.items()},
+              "openai-api-key": ([], [f"openai.apiKeySecret.{k}={v}" for k, v in API_KEY_SECRET.items()]),
+              "h100-fp8": ([], ["server.gpuType=h100", "build.args={--device,cuda,--quant,fp8}",
+                                "network.clientNamespaces={chat-frontend}"])}
+# Kubernetes' IsValidPortName: a named container port (and a targetPort by name) is an IANA_SVC_NAME
+IANA_SVC_NAME = re.compile(r"(?=.{1,15}$)(?=[-a-z0-9]*[a-z])(?!.*--)[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
-OLDEST_KUBERNETES = "1.29.0"  # the oldest release the manifests are written for (deploy/README.md)
+OLDEST_KUBERNETES = "1.29.0"  # the oldest release the chart is written for (Chart.yaml kubeVersion)
 CHECKOV = REPO / ".venv" / "tools" / "bin" / "checkov"  # its own venv: see the Makefile
 DOCKERFILES = {"gpu": REPO / "deploy/docker/Dockerfile", "cpu": REPO / "deploy/docker/Dockerfile.cpu"}
+APP_UID = 10001  # the chart's runAsUser; the Dockerfiles create this user
+QUEUE_TIME_RECORD = "dflash:queue_time_us_per_request:rate2m"  # the PrometheusRule's record
+LINT_WARNING = 2  # helm's support.WarningSev; 1 is INFO (e.g. "icon is recommended")
+
+
+def merge(base: dict, overlay: dict) -> dict:
+    """Helm's merge of user values (-f files, then --set): maps key by key, anything else replaces."""
+    merged = dict(base)
+    for key, value in overlay.items():
+        merged[key] = merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+            else value
+    return merged
+
+
+def user_values(files: list[Path] = (), sets: list[str] = ()) -> dict:
+    """What `helm install -f FILE... --set SET...` passes: the files, then each --set parsed by Helm."""
+    values = {}
+    for path in files:
+        values = merge(values, helm_python.values_from_yaml(Path(path).read_text()))
+    for assignment in sets:
+        values = merge(values, helm_python.parse_set_string(assignment))
+    return values
+
+
+def render(values: dict) -> dict[str, str]:
+    with helm_python.Chart.load(CHART) as chart:
+        return chart.render(values, name=RELEASE, namespace=NAMESPACE)
 
 
 @dataclass
 class Rendered:
-    values: dict
-    folder: Path
+    values: dict  # the release's values: the chart's defaults coalesced with the user's
+    folder: Path  # one manifest per object, for checkov
     objects: list[dict]
-    adapter: dict
+    notes: str
 
     def one(self, kind: str, name: str | None = None) -> dict:
         found = [o for o in self.objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
@@ -63,17 +103,26 @@ class Rendered:
         return [o for o in self.objects if o["kind"] == kind]
 
 
+def manifests(out: dict[str, str]) -> list[dict]:
+    return [doc for path, text in out.items() if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, Rendered]:
     root = tmp_path_factory.mktemp("rendered")
     out = {}
-    for name, (overlays, sets) in RENDERINGS.items():
-        values = load_values(overlays, [f"image.digest={DIGEST}", *sets])
+    for name, (files, sets) in RENDERINGS.items():
+        values = user_values(files, [f"image.digest={DIGEST}", *sets])
+        templates = render(values)
+        objects = manifests(templates)
         folder = root / name
-        render.write(values, folder)
-        objects = [yaml.safe_load(f.read_text()) for f in sorted(folder.glob("*.yaml"))]
-        adapter = yaml.safe_load((folder / "prometheus-adapter" / "values.yaml").read_text())
-        out[name] = Rendered(values, folder, objects, adapter)
+        folder.mkdir()
+        for i, obj in enumerate(objects):
+            (folder / f"{i:02d}-{obj['kind'].lower()}-{obj['metadata']['name']}.yaml").write_text(yaml.safe_dump(obj))
+        with helm_python.Chart.load(CHART) as chart:
+            coalesced = chart.merge_values(values)
+        out[name] = Rendered(coalesced, folder, objects, templates[f"{CHART.name}/templates/NOTES.txt"])
     return out
 
 
@@ -89,18 +138,144 @@ def flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-# --- schemas ----------------------------------------------------------------------------------------
+def pod_labels(r: Rendered) -> dict:
+    return r.one("Deployment")["spec"]["template"]["metadata"]["labels"]
 
-def test_every_overlay_renders_the_whole_deployment(rendered):
+
+def hook_pod(r: Rendered) -> dict:
+    return r.one("Pod", f"{RELEASE}-test-generate")
+
+
+# --- Helm: lint, schema, package ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values_file", [None, *VALUES_FILES])
+def test_helm_lint_strict_reports_no_errors_and_no_warnings(values_file):
+    values = user_values([VALUES_FILES[values_file]] if values_file else [], [f"image.digest={DIGEST}"])
+    report = helm_python.lint(CHART, values, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= LINT_WARNING] == [], report["messages"]
+
+
+def test_lint_is_not_vacuous(tmp_path):
+    broken = tmp_path / CHART.name
+    shutil.copytree(CHART, broken)
+    (broken / "templates" / "broken.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x\n")
+    report = helm_python.lint(broken, {}, strict=True)
+    assert report["errors"] or any(m["severity"] >= LINT_WARNING for m in report["messages"])
+
+
+def test_every_level_of_the_schema_refuses_unknown_keys():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def objects(node: dict, path: str):
+        if node.get("type") == "object" and "properties" in node:
+            yield path, node
+            for key, child in node["properties"].items():
+                yield from objects(child, f"{path}.{key}")
+
+    found = list(objects(schema, "values"))
+    assert len(found) > 10
+    for path, node in found:
+        if path != "values.global":
+            assert node.get("additionalProperties") is False, path
+    # and every value of values.yaml is described by the schema
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def walk(values: dict, node: dict, path: str):
+        for key, value in values.items():
+            assert key in node["properties"], f"{path}.{key} is not in values.schema.json"
+            child = node["properties"][key]
+            if isinstance(value, dict) and "properties" in child:
+                walk(value, child, f"{path}.{key}")
+
+    walk(defaults, schema, "values")
+
+
+def test_the_schema_names_the_presets_and_gpus_python_knows():
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    assert schema["model"]["properties"]["preset"]["enum"] == list(PRESETS)
+    assert schema["server"]["properties"]["gpuType"]["enum"] == ["", *GPUS]
+
+
+def test_the_charts_contract_file_is_pythons():
+    """Ports, probe paths, the drain timeout, presets and builder flags: generated from Python, never retyped."""
+    assert contract.CONTRACT_FILE.read_text() == contract.text(), \
+        "deploy/helm/dflash/files/contract.yaml is stale: run python -m deploy.helm.contract"
+    data = yaml.safe_load(contract.CONTRACT_FILE.read_text())
+    assert data["ports"] == PORTS and data["shutdownSeconds"] == SHUTDOWN_SECONDS
+    assert set(data["presets"]) == set(PRESETS)
+    check = subprocess.run([sys.executable, "-m", "deploy.helm.contract", "--check"], capture_output=True, text=True,
+                           cwd=REPO, timeout=120)
+    assert check.returncode == 0, check.stderr
+
+
+def test_the_chart_version_is_the_projects():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert chart["apiVersion"] == "v2" and chart["appVersion"] == version
+
+
+def test_package_produces_the_chart_archive_that_renders_the_same(tmp_path, rendered):
+    archive = Path(helm_python.package(CHART, destination=tmp_path))
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert archive.name == f"{chart['name']}-{chart['version']}.tgz" and archive.is_file()
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    for required in ("Chart.yaml", "values.yaml", "values.schema.json", "files/contract.yaml", "templates/NOTES.txt",
+                     "templates/tests/test-generate.yaml", "values/cpu.yaml", "values/tp2.yaml"):
+        assert f"dflash/{required}" in names, required
+    with helm_python.Chart.load_archive(archive.read_bytes()) as packaged:
+        out = packaged.render(user_values([], [f"image.digest={DIGEST}"]), name=RELEASE, namespace=NAMESPACE)
+    assert manifests(out) == rendered["default"].objects
+
+
+def test_every_rendering_renders_the_whole_deployment(rendered):
     for name, r in rendered.items():
         kinds = sorted(o["kind"] for o in r.objects)
-        expected = ["Deployment", "Job", "Namespace", "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim",
-                    "PodDisruptionBudget", "PrometheusRule", "Service", "Service", "Service", "ServiceAccount",
-                    "ServiceMonitor"]
+        expected = ["Deployment", "Job", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim",
+                    "Pod", "PodDisruptionBudget", "Service", "Service", "Service", "ServiceAccount"]
+        if r.values["monitoring"]["enabled"]:
+            expected += ["PrometheusRule", "ServiceMonitor"]
         if r.values["autoscaling"]["enabled"]:
-            expected = sorted(expected + ["HorizontalPodAutoscaler"])
-        assert kinds == expected, name
+            expected.append("HorizontalPodAutoscaler")
+        assert kinds == sorted(expected), name
+        assert all(o["metadata"].get("namespace") == NAMESPACE for o in r.objects), name
 
+
+def test_the_cpu_values_need_no_prometheus_operator_nor_gpu_nodes(rendered):
+    r = rendered["cpu"]
+    assert not r.all("ServiceMonitor") and not r.all("PrometheusRule")
+    for pod in (r.one("Deployment")["spec"]["template"]["spec"], r.one("Job")["spec"]["template"]["spec"]):
+        assert "nodeSelector" not in pod and "tolerations" not in pod
+    assert "Monitoring is off" in r.notes
+
+
+def test_every_object_carries_helms_standard_labels(rendered):
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    for name, r in rendered.items():
+        for obj in r.objects:
+            labels = obj["metadata"]["labels"]
+            assert labels["helm.sh/chart"] == f"{chart['name']}-{chart['version']}", obj["metadata"]["name"]
+            assert labels["app.kubernetes.io/managed-by"] == "Helm"
+            assert labels["app.kubernetes.io/instance"] == RELEASE
+            assert labels["app.kubernetes.io/version"] == chart["appVersion"]
+            assert labels["app.kubernetes.io/name"] == "dflash" and labels["app.kubernetes.io/component"]
+
+
+def test_names_follow_the_release(tmp_path):
+    objects = manifests(render(user_values([], ["image.digest=" + DIGEST])))
+    with helm_python.Chart.load(CHART) as chart:
+        other = manifests(chart.render({}, name="prod", namespace="inference"))
+    deployment = next(o for o in other if o["kind"] == "Deployment")
+    assert deployment["metadata"]["name"] == "prod-dflash" and deployment["metadata"]["namespace"] == "inference"
+    assert {o["metadata"]["name"] for o in other if o["kind"] == "Service"} == \
+        {"prod-dflash", "prod-dflash-headless", "prod-dflash-metrics"}
+    rule = next(o for o in other if o["kind"] == "PrometheusRule")
+    assert 'namespace="inference", service="prod-dflash-metrics"' in rule["spec"]["groups"][0]["rules"][0]["expr"]
+    assert {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"} == {RELEASE}
+
+
+# --- Kubernetes schemas, monitoring -------------------------------------------------------------------
 
 @pytest.mark.parametrize("version", [OLDEST_KUBERNETES, latest_version()])
 def test_builtin_objects_validate_against_the_kubernetes_api_schema(rendered, version):
@@ -138,8 +313,27 @@ def _balanced(expr: str) -> bool:
 def test_monitoring_objects_fit_the_services_the_hpa_and_the_adapter(rendered):
     """CRD objects, checked structurally: kubernetes-validate has no schema for them."""
     model_py = (REPO / "model_repository/dflash/1/model.py").read_text()
+    adapter_rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
+    served = {}
+    for adapter_rule in adapter_rules:
+        series = adapter_rule["seriesQuery"].split("{")[0]
+        assert re.fullmatch(adapter_rule["name"]["matches"], series)
+        assert set(adapter_rule["resources"]["overrides"]) == {"namespace", "pod"}  # Pods metrics
+        served[adapter_rule["name"]["as"]] = series
+    # the engine gauge the adapter serves is the one the dflash model exports
+    assert f'"{served["dflash_queued_sequences"]}"' in model_py
     for name, r in rendered.items():
-        metrics_service = r.one("Service", f"{r.values['name']}-metrics")
+        if r.values["autoscaling"]["enabled"]:
+            hpa = r.one("HorizontalPodAutoscaler")
+            assert hpa["spec"]["scaleTargetRef"]["name"] == r.one("Deployment")["metadata"]["name"]
+            used = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+            assert used <= served.keys(), name
+            assert "replicas" not in r.one("Deployment")["spec"]  # the HPA owns the replica count
+        else:
+            assert r.one("Deployment")["spec"]["replicas"] == r.values["server"]["replicas"]
+        if not r.values["monitoring"]["enabled"]:
+            continue
+        metrics_service = r.one("Service", f"{RELEASE}-metrics")
         monitor = r.one("ServiceMonitor")
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
         assert monitor["spec"]["selector"]["matchLabels"].items() <= metrics_service["metadata"]["labels"].items()
@@ -157,27 +351,12 @@ def test_monitoring_objects_fit_the_services_the_hpa_and_the_adapter(rendered):
             assert isinstance(entry["expr"], str) and _balanced(entry["expr"]), entry["expr"]
             assert re.fullmatch(r"\d+[smh]", entry.get("for", "1m")), entry
         records = {e["record"]: e["expr"] for e in group["rules"] if "record" in e}
-        queue_model = f'model="{r.values["autoscaling"]["queueModel"]}"'
-        assert "nv_inference_queue_duration_us" in records[render.QUEUE_TIME_RECORD] and \
-            queue_model in records[render.QUEUE_TIME_RECORD]
-
-        adapter_rules = r.adapter["rules"]["custom"]
-        served = {}
-        for adapter_rule in adapter_rules:
-            series = adapter_rule["seriesQuery"].split("{")[0]
-            assert re.fullmatch(adapter_rule["name"]["matches"], series)
-            assert set(adapter_rule["resources"]["overrides"]) == {"namespace", "pod"}  # Pods metrics
-            served[adapter_rule["name"]["as"]] = series
-        # every series the adapter serves is recorded by the rule or exported by the dflash model
-        assert served[render.QUEUE_TIME_METRIC] in records
-        assert f'"{served[render.QUEUED_METRIC]}"' in model_py
-
-        if r.values["autoscaling"]["enabled"]:
-            hpa = r.one("HorizontalPodAutoscaler")
-            assert hpa["spec"]["scaleTargetRef"]["name"] == r.one("Deployment")["metadata"]["name"]
-            used = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
-            assert used <= served.keys(), name
-            assert "replicas" not in r.one("Deployment")["spec"]  # the HPA owns the replica count
+        series = f'namespace="{NAMESPACE}", service="{RELEASE}-metrics", model="{r.values["autoscaling"]["queueModel"]}"'
+        assert f"nv_inference_queue_duration_us{{{series}}}" in records[QUEUE_TIME_RECORD]
+        # the recorded series is what the adapter serves to the HPA
+        assert served["dflash_queue_time_us_per_request"] == QUEUE_TIME_RECORD
+        alert = next(e for e in group["rules"] if e.get("alert") == "DFlashQueueTimeHigh")
+        assert alert["expr"].endswith(f"> {2 * round(r.values['autoscaling']['queueTimeTargetMs'] * 1000)}")
 
 
 # --- checkov --------------------------------------------------------------------------------------
@@ -218,8 +397,8 @@ def test_ports_and_probes_are_the_launchers(rendered):
         server = server_container(r)
         assert {p["name"]: p["containerPort"] for p in server["ports"]} == PORTS
         assert all(IANA_SVC_NAME.fullmatch(p["name"]) for p in server["ports"]), server["ports"]
-        # startup: the gateway's health, 200 only once Triton is ready and the gateway listens (render.py);
-        # readiness stays Triton's own
+        # startup: the gateway's health, 200 only once Triton is ready and the gateway listens; readiness
+        # stays Triton's own
         assert server["startupProbe"]["httpGet"] == {"path": GATEWAY_HEALTH_PATH, "port": "openai"}
         assert server["readinessProbe"]["httpGet"] == {"path": READY_PATH, "port": "http"}
         assert server["livenessProbe"]["httpGet"] == {"path": LIVE_PATH, "port": "http"}
@@ -229,6 +408,7 @@ def test_ports_and_probes_are_the_launchers(rendered):
         # recovery from a dead engine: dflash-serve (the command) exits, the kubelet restarts the container
         assert server["command"][0] == "dflash-serve" and pod["restartPolicy"] == "Always"
         pre_stop = int(server["lifecycle"]["preStop"]["exec"]["command"][-1])
+        assert pre_stop == r.values["server"]["preStopSeconds"]
         assert pod["terminationGracePeriodSeconds"] > pre_stop + SHUTDOWN_SECONDS, name
         for service in r.all("Service"):
             for port in service["spec"]["ports"]:
@@ -245,14 +425,15 @@ def test_the_openai_gateway_is_exposed_to_the_clients_only(rendered):
     for name, r in rendered.items():
         openai = {"name": "openai", "port": PORTS["openai"], "targetPort": "openai", "protocol": "TCP",
                   "appProtocol": "http"}
-        client = r.one("Service", r.values["name"])
+        client = r.one("Service", RELEASE)
         assert openai in client["spec"]["ports"], name
         assert [p["name"] for p in client["spec"]["ports"]] == ["http", "grpc", "openai"]
         # the headless Service is for gRPC client-side balancing, the metrics Service for Prometheus only
         for suffix, ports in (("-headless", ["grpc", "http"]), ("-metrics", ["metrics"])):
-            assert [p["name"] for p in r.one("Service", r.values["name"] + suffix)["spec"]["ports"]] == ports, name
+            assert [p["name"] for p in r.one("Service", RELEASE + suffix)["spec"]["ports"]] == ports, name
+        assert r.one("Service", RELEASE + "-headless")["spec"]["clusterIP"] == "None"
 
-        policy = r.one("NetworkPolicy", f"{r.values['name']}-server")
+        policy = r.one("NetworkPolicy", f"{RELEASE}-server")
         clients, monitoring = policy["spec"]["ingress"]
         assert {p["port"] for p in clients["ports"]} == {PORTS[p] for p in ("http", "grpc", "openai")}
         assert all(p["protocol"] == "TCP" for p in clients["ports"])
@@ -260,50 +441,55 @@ def test_the_openai_gateway_is_exposed_to_the_clients_only(rendered):
                       for peer in clients["from"] if "namespaceSelector" in peer]
         assert {"podSelector": {}} in clients["from"] and namespaces == r.values["network"]["clientNamespaces"]
         assert [p["port"] for p in monitoring["ports"]] == [PORTS["metrics"]]  # not the gateway
+        assert monitoring["from"] == [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": r.values["monitoring"]["namespace"]}}}]
         assert policy["spec"]["egress"] == []  # the gateway calls tritonserver over the pod's loopback
-
-
-def test_client_namespaces_reach_the_gateway():
-    policy = render.server_network_policy(load_values([], ["network.clientNamespaces=[chat-frontend]"]))
-    clients = policy["spec"]["ingress"][0]
-    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "chat-frontend"}}} in clients["from"]
-    assert {"port": PORTS["openai"], "protocol": "TCP"} in clients["ports"]
+    assert rendered["h100-fp8"].values["network"]["clientNamespaces"] == ["chat-frontend"]  # not vacuous
 
 
 def test_the_gateways_api_key_comes_from_a_secret_only_when_asked(rendered):
     for name, r in rendered.items():
         server = server_container(r)
         deployment = r.one("Deployment")
-        keyed = [e for e in server["env"] if e["name"] == render.OPENAI_API_KEY_ENV]
-        if name != "openai-api-key":  # off by default, in every overlay
+        keyed = [e for e in server["env"] if e["name"] == OPENAI_API_KEY_ENV]
+        if name != "openai-api-key":  # off by default, in every values file
             assert not keyed and "annotations" not in deployment["metadata"], name
             continue
-        assert keyed == [{"name": render.OPENAI_API_KEY_ENV,
+        assert keyed == [{"name": OPENAI_API_KEY_ENV,
                           "valueFrom": {"secretKeyRef": {**API_KEY_SECRET, "optional": False}}}]
         # the key itself is never in a manifest, nor passed as a flag
         assert not any(a.startswith("--openai-api-key") for a in server["command"])
         # checkov's CKV_K8S_35 (secrets as files) is skipped for it, with the reason (README: "Security checks skipped")
         annotations = deployment["metadata"]["annotations"]
         assert list(annotations) == ["checkov.io/skip1"] and annotations["checkov.io/skip1"].startswith("CKV_K8S_35=")
-        # only the server reads it: the build Job has no key
-        job_pod = r.one("Job")["spec"]["template"]["spec"]
-        assert not any(e["name"] == render.OPENAI_API_KEY_ENV
-                       for c in job_pod["containers"] + job_pod.get("initContainers", []) for e in c["env"])
+        # offline there is no Secret to look up, so no checksum of it (install and upgrade add one)
+        assert "annotations" not in deployment["spec"]["template"]["metadata"]
+        # only the server reads it: the build Job and the test pod have no key
+        for pod in (r.one("Job")["spec"]["template"]["spec"], hook_pod(r)["spec"]):
+            assert not any(e["name"] == OPENAI_API_KEY_ENV
+                           for c in pod["containers"] + pod.get("initContainers", []) for e in c.get("env", []))
+        assert "key: Secret dflash-openai" in r.notes
 
 
-def test_the_launcher_reads_the_api_key_variable_the_manifests_set():
+def test_the_launcher_reads_the_api_key_variable_the_chart_sets():
     # dflash-serve (deploy/serve.py or the gateway it starts) must read the variable the Deployment sets
     sources = [p for p in REPO.glob("*/**/*.py") if p.parts[len(REPO.parts)] not in ("tests", ".venv")
-               and "k8s" not in p.parts]
-    assert any(render.OPENAI_API_KEY_ENV in p.read_text() for p in sources), \
-        f"no launcher code reads {render.OPENAI_API_KEY_ENV}"
-    usage = subprocess.run([sys.executable, "-m", "deploy.serve", "--help"], capture_output=True, text=True,
-                           cwd=REPO, timeout=60).stdout
-    assert "--openai-api-key" in usage and "--openai-port" in usage
+               and "helm" not in p.parts]
+    assert any(OPENAI_API_KEY_ENV in p.read_text() for p in sources), f"no launcher code reads {OPENAI_API_KEY_ENV}"
 
 
-def pod_labels(r: Rendered) -> dict:
-    return r.one("Deployment")["spec"]["template"]["metadata"]["labels"]
+def _usage(module: str, *args: str) -> str:
+    return subprocess.run([sys.executable, "-m", module, *args, "--help"], capture_output=True, text=True,
+                          cwd=REPO, timeout=60).stdout
+
+
+def test_the_launcher_accepts_the_servers_flags(rendered):
+    usage = _usage("deploy.serve")
+    for name, r in rendered.items():
+        command = server_container(r)["command"]
+        assert command[0] == "dflash-serve"
+        for arg in command[2:]:
+            assert arg.split("=")[0] in usage, (name, arg)
 
 
 def test_the_server_reads_the_repository_the_build_job_writes(rendered):
@@ -311,9 +497,9 @@ def test_the_server_reads_the_repository_the_build_job_writes(rendered):
         job_pod = r.one("Job")["spec"]["template"]["spec"]
         server_pod = r.one("Deployment")["spec"]["template"]["spec"]
         output = flag(build_command(r), "--output")
+        assert output == f"/models/{r.values['model']['build']}"
         command = server_container(r)["command"]
-        repository = command[1]
-        assert repository == f"{output}/{REPOSITORY_DIR}", name
+        assert command[1] == f"{output}/{REPOSITORY_DIR}", name
         wait = server_pod["initContainers"][0]
         assert wait["env"] == [{"name": "BUILD", "value": output}] and f"$BUILD/{MANIFEST_FILE}" in wait["command"][-1]
         claim = r.one("PersistentVolumeClaim")["metadata"]["name"]
@@ -337,38 +523,65 @@ def test_the_build_job_downloads_what_the_preset_needs(rendered):
         assert all(c["command"][:2] == ["hf", "download"] for c in job_pod.get("initContainers", []))
         # the GPU is requested by the build container only, never while checkpoints download
         assert all("nvidia.com/gpu" not in c["resources"]["limits"] for c in job_pod.get("initContainers", []))
+        gpus = job_pod["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", "0")
+        assert int(gpus) == r.values["server"]["gpus"], name
+
+
+def test_the_hf_token_is_a_mounted_file(rendered):
+    objects = manifests(render(user_values([], [f"image.digest={DIGEST}", "build.hfTokenSecret=hf-token"])))
+    pod = next(o for o in objects if o["kind"] == "Job")["spec"]["template"]["spec"]
+    assert {"name": "hf-token", "secret": {"secretName": "hf-token", "defaultMode": 0o440,
+                                           "items": [{"key": "token", "path": "token"}]}} in pod["volumes"]
+    for download in pod["initContainers"]:
+        assert {"name": "HF_TOKEN_PATH", "value": "/var/run/secrets/huggingface/token"} in download["env"]
+        assert not any("valueFrom" in e for e in download["env"])
+
+
+def _job(sets: list[str]) -> str:
+    objects = manifests(render(user_values([], sets)))
+    return next(o for o in objects if o["kind"] == "Job")["metadata"]["name"]
 
 
 def test_a_changed_build_job_is_a_new_job():
-    """Jobs are immutable: re-applying unchanged values keeps the Job, any change makes a new one."""
-    def job(sets):
-        return render.build_job(load_values([], sets))["metadata"]["name"]
+    """A Job's pod template is immutable: unchanged values keep the Job (an upgrade leaves it alone), any change
+    makes a new one (an upgrade creates it and Helm deletes the old one), so `helm upgrade` never patches it."""
+    first = _job(["model.build=qwen3-8b-v1"])
+    assert first == _job(["model.build=qwen3-8b-v1"]) and re.fullmatch(r"dflash-build-qwen3-8b-v1-[0-9a-f]{6}", first)
+    assert first != _job([f"image.digest={DIGEST}"]) and first != _job(["build.args={--device,cuda}"])
+    assert _job(["model.build=qwen3-8b-v2"]).startswith("dflash-build-qwen3-8b-v2-")
 
-    first = job(["model.build=qwen3-8b-v1"])
-    assert first == job(["model.build=qwen3-8b-v1"]) and first.startswith("dflash-build-qwen3-8b-v1-")
-    assert first != job([f"image.digest={DIGEST}"]) and first != job(["build.args=[--device, cuda]"])
 
-
-def test_the_builder_accepts_the_build_jobs_command(rendered, tmp_path):
-    """The CPU overlay's Job command, run as a --dry-run by builder/build.py, with the model store here."""
-    r = rendered["cpu"]
-    command = build_command(r)
+def _check_build(command: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """builder/build.py's own validation of a Job's command, here: no checkpoints, no GPU (`--check`)."""
     assert command[0] == "dflash-build"
-    args = [a.replace(render.MODEL_STORE, str(tmp_path), 1) if a.startswith(render.MODEL_STORE) else a
-            for a in command[1:]]
-    proc = subprocess.run([sys.executable, str(REPO / "builder/build.py"), *args, "--dry-run"],
+    args = [str(tmp_path) + a[len("/models"):] if a.startswith("/models/") else a for a in command[1:]]
+    return subprocess.run([sys.executable, str(REPO / "builder/build.py"), *args, "--check"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert f"{tmp_path}/{r.values['model']['build']}/{REPOSITORY_DIR}" in proc.stdout
 
 
-def test_the_launcher_accepts_the_cpu_servers_flags(rendered):
-    command = server_container(rendered["cpu"])["command"]
-    assert command[0] == "dflash-serve"
-    usage = subprocess.run([sys.executable, "-m", "deploy.serve", "--help"], capture_output=True, text=True,
-                           cwd=REPO, timeout=60).stdout
-    for arg in command[2:]:
-        assert arg.split("=")[0] in usage, arg
+def test_the_builder_accepts_every_build_jobs_command(rendered, tmp_path):
+    for name, r in rendered.items():
+        command = build_command(r)
+        proc = _check_build(command, tmp_path)
+        assert proc.returncode == 0, f"{name}: {shlex.join(command)}\n{proc.stderr}"
+        assert proc.stdout.startswith("check: ok: "), proc.stdout
+        # the servers' values reach the build: the GPU type and the tensor-parallel degree
+        server = r.values["server"]
+        assert ("--gpu" in command) == bool(server["gpuType"]), name
+        if server["gpuType"]:
+            assert flag(command, "--gpu") == server["gpuType"] and f"--gpu {server['gpuType']}" in proc.stdout
+        tp = int(flag(command, "--tensor-parallel-size")) if "--tensor-parallel-size" in command else 1
+        assert tp == server["tensorParallel"], name
+    assert "--tensor-parallel-size 2" in _check_build(build_command(rendered["tp2"]), tmp_path).stdout
+
+
+def test_the_builders_check_is_not_vacuous(tmp_path):
+    """A command the chart lets through (the builder's KV-cache rule is its own) is still refused by --check."""
+    objects = manifests(render(user_values([], ["server.gpuType=a100", "build.args={--runtime,trtllm,--kv-cache,fp8}",
+                                                "model.preset=qwen3-8b"])))
+    command = next(o for o in objects if o["kind"] == "Job")["spec"]["template"]["spec"]["containers"][0]["command"]
+    proc = _check_build(command, tmp_path)
+    assert proc.returncode == 2 and "--kv-cache fp8 needs --quant" in proc.stderr
 
 
 def dockerfile(path: Path) -> list[tuple[str, str]]:
@@ -379,22 +592,23 @@ def dockerfile(path: Path) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("kind", DOCKERFILES)
-def test_the_images_agree_with_the_manifests(rendered, kind):
+def test_the_images_agree_with_the_chart(rendered, kind):
     path = DOCKERFILES[kind]
     steps = dockerfile(path)
     args = {a.split("=", 1)[0]: a.split("=", 1)[1] for i, a in steps if i == "ARG" and "=" in a}
     base = args["BASE_IMAGE"]
     assert re.fullmatch(r"[\w./-]+:[\w.-]+", base) and not base.endswith(":latest"), base  # pinned tag
-    assert int(args["APP_UID"]) == render.APP_UID
+    assert int(args["APP_UID"]) == APP_UID
     assert dict(steps)["USER"] == "${APP_UID}:${APP_UID}"
     exposed = {int(p) for i, a in steps if i == "EXPOSE" for p in a.split()}
     assert exposed == set(PORTS.values())
     health = next(a for i, a in steps if i == "HEALTHCHECK")
     assert f"localhost:{PORTS['http']}{READY_PATH}" in health
     entrypoint = json.loads(next(a for i, a in steps if i == "ENTRYPOINT"))
-    assert entrypoint == [render.SERVER_COMMAND]
     manifest = next(r for r in rendered.values() if r.values["image"]["kind"] == kind)
-    assert server_container(manifest)["command"][0] == entrypoint[0]
+    assert server_container(manifest)["command"][0] == entrypoint[0] == "dflash-serve"
+    pod = manifest.one("Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == pod["securityContext"]["runAsGroup"] == APP_UID
     cmd = json.loads(next(a for i, a in steps if i == "CMD"))
     assert any(a.endswith(f"/{REPOSITORY_DIR}") for a in cmd)
     if kind == "gpu":
@@ -410,76 +624,131 @@ def test_the_images_agree_with_the_manifests(rendered, kind):
     assert packages <= {source.rstrip("/") for source in copied}, packages
 
 
+# --- helm test ---------------------------------------------------------------------------------------
+
+def test_the_helm_test_pod_is_a_hook_in_the_servers_image(rendered):
+    for name, r in rendered.items():
+        pod = hook_pod(r)
+        assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+        (wait,), (generate,) = pod["spec"]["initContainers"], pod["spec"]["containers"]
+        assert wait["image"] == generate["image"] == server_container(r)["image"]
+        url = f"--url={RELEASE}:{PORTS['grpc']}"  # through the client Service, which its NetworkPolicy admits
+        assert wait["command"][:2] == ["dflash-client", "health"] and url in wait["command"]
+        assert generate["command"][:2] == ["dflash-client", "generate"] and url in generate["command"]
+        assert ("--raw" in generate["command"]) == ("trtllm" in build_command(r)), name  # the LLM-API model
+        assert pod["spec"]["restartPolicy"] == "Never"
+        assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "test"  # no Service selects it
+
+
+def test_the_helm_test_pods_commands_stream_an_answer_from_a_real_server(rendered, default_server):
+    """The hook's two commands, as the pod runs them, against the embedded default served here."""
+    pod = hook_pod(rendered["cpu"])["spec"]
+    bin_dir = Path(sys.executable).parent
+    for container in (*pod["initContainers"], *pod["containers"]):
+        command = [a.replace(f"{RELEASE}:{PORTS['grpc']}", default_server.grpc_url) for a in container["command"]]
+        proc = subprocess.run([str(bin_dir / command[0]), *command[1:]], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{container['name']}: {proc.stderr}"
+    assert proc.stdout.strip(), "the generate command streamed no text"
+
+
+def test_notes_say_how_to_reach_the_server(rendered):
+    notes = rendered["default"].notes
+    for port in ("http", "grpc", "openai"):  # the metrics port is Prometheus's
+        assert f":{PORTS[port]}" in notes
+    assert f"helm test {RELEASE} -n {NAMESPACE}" in notes and "WARNING: image.digest" not in notes
+    assert "WARNING: image.digest is not set" in render({})[f"{CHART.name}/templates/NOTES.txt"]
+    assert "chat-frontend" in rendered["h100-fp8"].notes
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 
+# --set expressions (Helm's own parser) -> what the refusal must say: every one names the value
 BAD_VALUES = [
     (["server.replicas=0"], "server.replicas is 0 but autoscaling is enabled"),
-    (["autoscaling.minReplicas=0"], r"autoscaling.minReplicas must be >= 1"),
-    (["autoscaling.minReplicas=4", "autoscaling.maxReplicas=2"], "maxReplicas .2. is below"),
-    (["server.gpus=3", "server.tensorParallel=2", "build.args=[--runtime, trtllm]"],
-     r"tensorParallel \(2\) does not divide server.gpus \(3\)"),
-    (["server.gpus=2", "server.tensorParallel=4", "build.args=[--runtime, trtllm]"],
-     r"tensorParallel \(4\) does not divide server.gpus \(2\)"),
-    (["server.gpus=2", "server.tensorParallel=2"], "needs --runtime trtllm"),
-    (["modelStore.claimName="], "modelStore.claimName is missing"),
-    (["modelStore.claimName=null"], "modelStore.claimName is missing"),
+    (["autoscaling.minReplicas=0"], "/autoscaling/minReplicas"),
+    (["autoscaling.minReplicas=4", "autoscaling.maxReplicas=2"], r"maxReplicas \(2\) is below"),
+    (["server.gpus=3", "server.tensorParallel=2", "server.gpuType=h100", "build.args={--runtime,trtllm}"],
+     r"server.gpus \(3\) must be a multiple of server.tensorParallel \(2\)"),
+    (["server.gpus=1", "server.tensorParallel=3", "server.gpuType=h100", "build.args={--runtime,trtllm}"],
+     r"server.gpus \(1\) must be a multiple of server.tensorParallel \(3\)"),
+    (["server.gpus=2", "server.tensorParallel=2"], "server.tensorParallel 2 needs --runtime trtllm"),
+    (["server.tensorParallel=0"], "/server/tensorParallel"),
+    (["modelStore.claimName="], "/modelStore/claimName"),
+    (["modelStore.claimName=null"], "claimName"),
     (["modelStore.accessMode=ReadWriteOnce"], "allows one node .* up to 8 replicas"),
+    (["modelStore.accessMode=ReadOnlyMany"], "the build Job cannot write"),
+    (["modelStore.accessMode=NFS"], "/modelStore/accessMode"),
     (["server.maxSurge=0"], "maxSurge and server.maxUnavailable are both 0"),
-    (['autoscaling.queueModel=dflash"} or vector(1'], "queueModel must be a Triton model name"),
-    (["server.sharedMemory=64Gi"], "sharedMemory .* must be below server.memory"),
-    (["server.memory=lots"], "server.memory must be a memory quantity"),
-    (["build.args=[--device, cpu]"], "build for --device cpu but the servers have GPUs"),
-    (["build.args=[--quantize, fp8]"], "builder/build.py does not know --quantize"),
-    (["build.args=[--quant, int3]"], "invalid choice: 'int3'"),
-    (["build.args=[--output, /elsewhere]"], "must not set --output"),
-    (["build.args=--device cuda"], "build.args must be a list"),
-    (["autoscaling.enabled=no way"], "autoscaling.enabled must be true or false"),
-    (["model.preset=gpt-5"], "model.preset 'gpt-5' is not a preset"),
-    (["model.build=Qwen3_8B"], "model.build must be a DNS label"),
+    (['autoscaling.queueModel=dflash"} or vector(1'], "/autoscaling/queueModel"),
+    (["autoscaling.queueTimeTargetMs=0"], "/autoscaling/queueTimeTargetMs"),
+    (["server.sharedMemory=64Gi"], r"server.sharedMemory \(64Gi\) must be below server.memory \(64Gi\)"),
+    (["server.sharedMemory=65536Mi"], "server.sharedMemory .* must be below server.memory"),
+    (["server.memory=lots"], "/server/memory"),
+    (["build.args={--device,cpu}"], "build for --device cpu but the servers have GPUs"),
+    (["build.args={--device=cpu}"], "build for --device cpu but the servers have GPUs"),
+    (["build.args={--quantize,fp8}"], "builder/build.py does not know --quantize"),
+    (["build.args={--quant,int3}"], "--quant int3: invalid choice"),
+    (["build.args={--quant=int3}"], "--quant int3: invalid choice"),
+    (["build.args={--output,/elsewhere}"], "must not set --output: it comes from model.build"),
+    (["build.args={--gpu,h100}"], "must not set --gpu: it comes from server.gpuType"),
+    (["build.args={--tensor-parallel-size,2}"], "must not set --tensor-parallel-size: it comes from server.tensorParallel"),
+    (["build.args={--dry-run}"], "must not set --dry-run"),
+    (["build.args={--device}"], "--device needs a value"),
+    (["build.args={cuda}"], '"cuda" is not a flag'),
+    (["build.args=--device cuda"], "/build/args"),
+    (["build.args={--runtime,trtllm}"], "--runtime trtllm needs server.gpuType"),
+    (["build.args={--runtime,trtllm,--quant,nvfp4}", "server.gpuType=h100"],
+     r"--quant nvfp4 does not run on server.gpuType h100 \(SM90\): it needs SM100"),
+    (["model.preset=qwen3-coder-30b-a3b"], "model.preset qwen3-coder-30b-a3b runs on --runtime trtllm only"),
+    (["server.gpuType=h1000"], "/server/gpuType"),
+    (["autoscaling.enabled=no way"], "/autoscaling/enabled"),
+    (["model.preset=gpt-5"], "/model/preset"),
+    (["model.build=Qwen3_8B"], "/model/build"),
     ([f"model.build={'v' * 45}"], "would exceed 63 characters"),
-    (["image.digest=latest"], "image.digest must look like sha256"),
-    (["image.kind=tpu"], "image.kind must be one of gpu, cpu"),
+    (["image.digest=latest"], "/image/digest"),
+    (["image.kind=tpu"], "/image/kind"),
     (["server.gpus=0"], "image.kind gpu needs server.gpus >= 1"),
-    (["server.tensorParallel=two"], "server.tensorParallel must be an integer"),
-    (["sever.gpus=2"], "unknown value 'sever'"),
-    (["server.nodeSelector=[gpu]"], "server.nodeSelector must map label names to strings"),
-    (["server.nodeSelector={nvidia.com/gpu.present: true}"], "must map label names to strings"),
-    (["server.tolerations={key: nvidia.com/gpu}"], "server.tolerations must be a list"),
-    (["network.clientNamespaces=[Bad_Name]"], "network.clientNamespaces must be a list of namespace names"),
-    (["server"], "expected KEY.PATH=VALUE"),
-    (["openai.apiKeySecret=dflash-openai"], "openai.apiKeySecret must be a mapping"),
-    (["openai.apiKeySecret.secret=dflash-openai"], "unknown value 'openai.apiKeySecret.secret'"),
-    (["openai.apiKeySecret.name=OpenAI_Key"], "apiKeySecret.name must be the name of a Secret in namespace dflash"),
-    (["openai.apiKeySecret.name=[dflash-openai]"], "openai.apiKeySecret.name must be the name of a Secret"),
-    ([f"openai.apiKeySecret.name={'s' * 254}"], "openai.apiKeySecret.name must be the name of a Secret"),
-    (["openai.apiKeySecret.name=dflash-openai", "openai.apiKeySecret.key="],
-     "openai.apiKeySecret.key must be a key of Secret 'dflash-openai'.*got None"),
-    (["openai.apiKeySecret.name=dflash-openai", "openai.apiKeySecret.key=api/key"],
-     "openai.apiKeySecret.key must be a key of Secret"),
+    (["server.tensorParallel=two"], "/server/tensorParallel"),
+    (["sever.gpus=2"], "additional properties 'sever' not allowed"),
+    (["server.gpu=2"], "additional properties 'gpu' not allowed"),
+    (["server.nodeSelector={gpu}"], "/server/nodeSelector"),
+    (["server.nodeSelector.nvidia\\.com/gpu\\.present=true"], "/server/nodeSelector"),
+    (["server.tolerations.key=nvidia.com/gpu"], "/server/tolerations"),
+    (["network.clientNamespaces={Bad_Name}"], "/network/clientNamespaces"),
+    (["monitoring.enabled=maybe"], "/monitoring/enabled"),
+    (["openai.apiKeySecret=dflash-openai"], "/openai/apiKeySecret"),
+    (["openai.apiKeySecret.secret=dflash-openai"], "additional properties 'secret' not allowed"),
+    (["openai.apiKeySecret.name=OpenAI_Key"], "/openai/apiKeySecret/name"),
+    (["openai.apiKeySecret.name={dflash-openai}"], "/openai/apiKeySecret/name"),
+    ([f"openai.apiKeySecret.name={'s' * 254}"], "/openai/apiKeySecret/name"),
+    (["openai.apiKeySecret.name=dflash-openai", "openai.apiKeySecret.key="], "/openai/apiKeySecret/key"),
+    (["openai.apiKeySecret.name=dflash-openai", "openai.apiKeySecret.key=api/key"], "/openai/apiKeySecret/key"),
 ]
 
 
 @pytest.mark.parametrize("sets,message", BAD_VALUES, ids=[" ".join(sets) for sets, _ in BAD_VALUES])
 def test_values_that_make_no_sense_are_refused(sets, message):
-    with pytest.raises(RenderError, match=message):
-        load_values([], sets)
+    with pytest.raises((helm_python.HelmValuesError, helm_python.HelmRenderError), match=message) as refused:
+        render(user_values([], sets))
+    if refused.type is helm_python.HelmRenderError:  # every refusal of the templates comes from one place
+        assert "templates/deployment.yaml" in str(refused.value)
+
+
+def test_a_set_without_a_value_is_refused_by_helms_parser():
+    with pytest.raises(helm_python.HelmValuesError, match="server"):
+        helm_python.parse_set_string("server")
 
 
 def test_cpu_values_refuse_gpus():
-    with pytest.raises(RenderError, match="image.kind cpu runs without GPUs"):
-        load_values(OVERLAYS["cpu"], ["server.gpus=1"])
+    for sets, message in [(["server.gpus=1"], "image.kind cpu runs without GPUs"),
+                          (["build.args={--device,cuda}"], "image.kind cpu needs the torch runtime on the CPU")]:
+        with pytest.raises(helm_python.HelmRenderError, match=message):
+            render(user_values([VALUES_FILES["cpu"]], sets))
 
 
-def test_the_command_line_renders_warns_and_refuses(tmp_path):
-    script = [sys.executable, str(REPO / "deploy/k8s/render.py")]
-    ok = subprocess.run([*script, "-f", str(OVERLAYS["cpu"][0]), "-o", str(tmp_path / "out")],
-                        capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0, ok.stderr
-    assert "image.digest is not set" in ok.stderr
-    assert (tmp_path / "out" / "prometheus-adapter" / "values.yaml").is_file()
-    again = subprocess.run([*script, "-f", str(OVERLAYS["cpu"][0]), "-o", str(tmp_path / "out")],
-                           capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "is not empty" in again.stderr
-    bad = subprocess.run([*script, "--set", "server.gpus=3", "--set", "server.tensorParallel=2", "-o",
-                          str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "does not divide" in bad.stderr and not (tmp_path / "bad").exists()
+def test_the_schema_alone_refuses_an_unknown_key():
+    """As `helm install` does before rendering anything (validate_schema is Helm's own check)."""
+    with helm_python.Chart.load(CHART) as chart:
+        chart.validate_schema(chart.merge_values({}))
+        with pytest.raises(helm_python.HelmValuesError, match="'replica' not allowed"):
+            chart.validate_schema(chart.merge_values({"server": {"replica": 3}}))

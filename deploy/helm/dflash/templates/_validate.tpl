@@ -1,0 +1,148 @@
+{{/*
+What values.schema.json cannot say: combinations of values that would deploy something that cannot work.
+Each refusal names the value. Included once, by deployment.yaml (always rendered).
+*/}}
+
+{{/* A memory quantity (64Gi, 500M, 1e9 is not one) in bytes, as a float. */}}
+{{- define "dflash.bytes" -}}
+{{- $units := dict "" 1.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 }}
+{{- $q := toString . }}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $q }}
+{{- mulf (float64 $number) (get $units (trimPrefix $number $q)) }}
+{{- end }}
+
+{{- define "dflash.maxReplicas" -}}
+{{- if .Values.autoscaling.enabled }}{{ .Values.autoscaling.maxReplicas }}{{ else }}{{ .Values.server.replicas }}{{ end }}
+{{- end }}
+
+{{/*
+build.args read the way builder/build.py's parser reads them, with its flags and choices from the contract:
+an unknown flag, a bad choice or a flag that values own is refused here, before a GPU pod runs the builder.
+Returns the options the deployment's shape depends on, as JSON.
+*/}}
+{{- define "dflash.buildOptions" -}}
+{{- $builder := (include "dflash.contract" . | fromYaml).builder }}
+{{- $owned := dict "--target" "model.preset" "--output" "model.build" "--gpu" "server.gpuType" "--tensor-parallel-size" "server.tensorParallel" }}
+{{- $notInJob := list "--dry-run" "--check" "--help" "-h" }}
+{{- $options := dict "--runtime" "torch" "--device" "auto" "--quant" "none" }}
+{{- $pending := "" }}
+{{- $errors := list }}
+{{- range .Values.build.args }}
+{{- $arg := toString . }}
+{{- $flag := "" }}
+{{- $value := "" }}
+{{- $hasValue := false }}
+{{- if $pending }}
+{{- $flag = $pending }}{{ $value = $arg }}{{ $hasValue = true }}{{ $pending = "" }}
+{{- else if hasPrefix "-" $arg }}
+{{- $flag = regexReplaceAll "=.*" $arg "" }}
+{{- if not (hasKey $builder.flags $flag) }}
+{{- $errors = append $errors (printf "build.args: builder/build.py does not know %s (see dflash-build --help)" $flag) }}
+{{- end }}
+{{- if hasKey $owned $flag }}
+{{- $errors = append $errors (printf "build.args must not set %s: it comes from %s" $flag (get $owned $flag)) }}
+{{- end }}
+{{- if has $flag $notInJob }}
+{{- $errors = append $errors (printf "build.args must not set %s: the Job must write the build the servers wait for" $flag) }}
+{{- end }}
+{{- if contains "=" $arg }}
+{{- $value = trimPrefix (printf "%s=" $flag) $arg }}{{ $hasValue = true }}
+{{- else if not (has $flag $builder.valueless) }}
+{{- $pending = $flag }}
+{{- end }}
+{{- else }}
+{{- $errors = append $errors (printf "build.args: %q is not a flag of builder/build.py nor a flag's value" $arg) }}
+{{- end }}
+{{- if $hasValue }}
+{{- $choices := get $builder.flags $flag }}
+{{- if and $choices (not (has $value $choices)) }}
+{{- $errors = append $errors (printf "build.args: %s %s: invalid choice %q (choose from %s)" $flag $value $value (join ", " $choices)) }}
+{{- end }}
+{{- $_ := set $options $flag $value }}
+{{- end }}
+{{- end }}
+{{- if $pending }}
+{{- $errors = append $errors (printf "build.args: %s needs a value after it" $pending) }}
+{{- end }}
+{{- $_ := set $options "errors" $errors }}
+{{- toJson $options }}
+{{- end }}
+
+{{- define "dflash.validate" -}}
+{{- $v := .Values }}
+{{- $contract := include "dflash.contract" . | fromYaml }}
+{{- $job := printf "%s-build-%s-000000" (include "dflash.fullname" .) $v.model.build }}
+{{- if gt (len $job) 63 }}
+{{- fail (printf "the release name (or fullnameOverride) + model.build are too long: the build Job's name (%s, the zeros stand for a hash) would exceed 63 characters" $job) }}
+{{- end }}
+{{- $maxReplicas := int (include "dflash.maxReplicas" .) }}
+{{- /* the model store */}}
+{{- if and (eq $v.modelStore.accessMode "ReadOnlyMany") $v.build.enabled }}
+{{- fail "modelStore.accessMode ReadOnlyMany: the build Job cannot write the build into it" }}
+{{- end }}
+{{- if and (ne $v.modelStore.accessMode "ReadWriteMany") (gt $maxReplicas 1) }}
+{{- fail (printf "modelStore.accessMode %s allows one node (or one pod) only, but up to %d replicas may run on different nodes: use ReadWriteMany storage" $v.modelStore.accessMode $maxReplicas) }}
+{{- end }}
+{{- /* replicas and rollouts */}}
+{{- if and (eq (int $v.server.maxSurge) 0) (eq (int $v.server.maxUnavailable) 0) }}
+{{- fail "server.maxSurge and server.maxUnavailable are both 0: a rolling update could never replace a pod (maxSurge 1 needs a spare pod's GPUs; maxUnavailable 1 serves one pod short)" }}
+{{- end }}
+{{- if $v.autoscaling.enabled }}
+{{- if eq (int $v.server.replicas) 0 }}
+{{- fail "server.replicas is 0 but autoscaling is enabled: the HPA would scale it straight back to autoscaling.minReplicas. To stop serving, set autoscaling.enabled: false" }}
+{{- end }}
+{{- if lt (int $v.autoscaling.maxReplicas) (int $v.autoscaling.minReplicas) }}
+{{- fail (printf "autoscaling.maxReplicas (%d) is below autoscaling.minReplicas (%d)" (int $v.autoscaling.maxReplicas) (int $v.autoscaling.minReplicas)) }}
+{{- end }}
+{{- end }}
+{{- /* GPUs */}}
+{{- $gpus := int $v.server.gpus }}
+{{- $tp := int $v.server.tensorParallel }}
+{{- if eq $v.image.kind "cpu" }}
+{{- if or $gpus (ne $tp 1) $v.server.gpuType }}
+{{- fail (printf "image.kind cpu runs without GPUs: server.gpus must be 0, server.tensorParallel 1 and server.gpuType empty (got %d, %d and %q)" $gpus $tp $v.server.gpuType) }}
+{{- end }}
+{{- else }}
+{{- if eq $gpus 0 }}
+{{- fail "image.kind gpu needs server.gpus >= 1 (image.kind cpu runs without GPUs)" }}
+{{- end }}
+{{- if mod $gpus $tp }}
+{{- fail (printf "server.gpus (%d) must be a multiple of server.tensorParallel (%d): each model copy takes tensorParallel GPUs of the pod. A pod runs on one node; for more GPUs than a node has, see 'Multi-node' in deploy/README.md" $gpus $tp) }}
+{{- end }}
+{{- end }}
+{{- /* memory: /dev/shm is memory-backed and counts against the limit */}}
+{{- if ge (float64 (include "dflash.bytes" $v.server.sharedMemory)) (float64 (include "dflash.bytes" $v.server.memory)) }}
+{{- fail (printf "server.sharedMemory (%s) must be below server.memory (%s): /dev/shm is memory-backed and counts against the limit" $v.server.sharedMemory $v.server.memory) }}
+{{- end }}
+{{- /* the build against the servers */}}
+{{- $build := include "dflash.buildOptions" . | fromJson }}
+{{- with $build.errors }}{{ fail (first .) }}{{ end }}
+{{- $runtime := get $build "--runtime" }}
+{{- $device := get $build "--device" }}
+{{- $preset := get $contract.presets $v.model.preset }}
+{{- if not (has $runtime $preset.runtimes) }}
+{{- fail (printf "model.preset %s runs on --runtime %s only, but build.args ask for --runtime %s" $v.model.preset (join " or " $preset.runtimes) $runtime) }}
+{{- end }}
+{{- if eq $v.image.kind "cpu" }}
+{{- /* device auto is the CPU in the CPU image (its torch has no CUDA) */}}
+{{- if or (ne $runtime "torch") (not (has $device (list "cpu" "auto"))) }}
+{{- fail (printf "image.kind cpu needs the torch runtime on the CPU, but build.args ask for --runtime %s --device %s" $runtime $device) }}
+{{- end }}
+{{- else if and (eq $runtime "torch") (not (hasPrefix "cuda" $device)) }}
+{{- fail (printf "build.args build for --device %s but the servers have GPUs: add --device cuda (or use --runtime trtllm)" $device) }}
+{{- end }}
+{{- if and (gt $tp 1) (ne $runtime "trtllm") }}
+{{- fail (printf "server.tensorParallel %d needs --runtime trtllm in build.args: the torch runtime runs a model on one device" $tp) }}
+{{- end }}
+{{- if eq $runtime "trtllm" }}
+{{- if not $v.server.gpuType }}
+{{- fail (printf "--runtime trtllm needs server.gpuType, the nodes' GPU (%s): the build checks its quantization against it" (join ", " (keys $contract.builder.gpus | sortAlpha))) }}
+{{- end }}
+{{- $sm := int (get $contract.builder.gpus $v.server.gpuType) }}
+{{- $quant := get $build "--quant" }}
+{{- $needs := int (get $contract.builder.quantMinSm $quant) }}
+{{- if lt $sm $needs }}
+{{- fail (printf "build.args --quant %s does not run on server.gpuType %s (SM%d): it needs SM%d or newer" $quant $v.server.gpuType $sm $needs) }}
+{{- end }}
+{{- end }}
+{{- end }}
