@@ -1,5 +1,5 @@
-"""The build's options and its command line: plain Python, so deploy/k8s/render.py validates a build
-Job's flags with the builder's own parser without importing torch.
+"""The build's options and its command line: plain Python, so the Helm chart's contract generator
+(deploy/helm/contract.py) reads the builder's flags and choices from this parser without importing torch.
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@
 - `server`: ports, probe paths, the health watch and the drain protocol of `dflash-serve`.
 - `presets`: the targets we know, their drafters and their defaults.
 
-Everything here is plain Python, so a backend service (`clients/`) and the Kubernetes renderer
-(`deploy/k8s/render.py`) import it without the model stack.
+Everything here is plain Python, so a backend service (`clients/`), the gateway and the Helm chart's
+contract generator (`deploy/helm/contract.py`) import it without the model stack.
 """
 
 

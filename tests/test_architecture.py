@@ -59,8 +59,6 @@ def test_the_contract_is_plain_python():
     "from fastapi.testclient import TestClient; from gateway import app, main; main.build_parser(); "
     "c = TestClient(app.create_app(app.Settings('localhost:1', 'm'))).__enter__(); "
     "assert c.get('/v1/models').json()['data'][0]['id'] == 'm'; c.__exit__(None, None, None)",
-    # the Kubernetes renderer, end to end
-    "import sys; from deploy.k8s import render; sys.exit(render.main(['-o', sys.argv[1]]))",
     # the Helm chart's facts from Python (files/contract.yaml), as `python -m deploy.helm.contract --check` runs it
     "from deploy.helm import contract; assert contract.main(['--check']) == 0",
 ])

@@ -1,1 +1,0 @@
-"""Kubernetes manifests for DFlash: deploy/k8s/render.py renders them from values files."""
