@@ -134,6 +134,9 @@ class AsyncTextStream:
             async with asyncio.timeout_at(self._deadline):
                 return await self._deltas.__anext__()
         except TimeoutError:
+            # closing the stream cancels the request on the server, which frees its slot: a client that gives up
+            # must not leave it decoding to the end
+            await self.aclose()
             raise RequestTimeout(f"no complete answer from {self._client.url} within {self._timeout:g} s",
                                  self._client.url) from None
 

@@ -2,7 +2,8 @@
 
 The ranges are the server's: dflash_contract.protocol.RANGES, which the front models check too, so a
 request refused here would be refused there with the same words (tests/test_clients.py also checks
-them against the engine's SamplingParams). Stop strings follow dflash_contract.protocol's rule.
+them against the engine's SamplingParams); so are the size limits (protocol.LIMITS: prompt bytes, messages,
+stop strings, max_tokens). Stop strings follow dflash_contract.protocol's rule.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
-from dflash_contract.protocol import range_error
+from dflash_contract.protocol import messages_count_error, prompt_size_error, range_error, stop_words_error
 
 from .errors import InvalidRequest
 
@@ -47,6 +48,8 @@ class GenerationParams:
                f"end_id must be a 32-bit integer, got {self.end_id}")
         _check(not isinstance(self.stop, str), "stop must be a sequence of strings, not one string")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must not be empty")
+        error = stop_words_error("stop", self.stop)
+        _check(error is None, error)
 
 
 def prompt_inputs(prompt: Prompt, chat: bool) -> dict[str, object]:
@@ -58,10 +61,20 @@ def prompt_inputs(prompt: Prompt, chat: bool) -> dict[str, object]:
     """
     if isinstance(prompt, str):
         _check(bool(prompt), "empty prompt")
+        _check_size("text_input", prompt)
         return {"text_input": prompt, "apply_chat_template": chat}
     messages = list(prompt)
     _check(bool(messages), "empty conversation")
-    return {"messages": json.dumps(messages, ensure_ascii=False)}
+    error = messages_count_error(len(messages))
+    _check(error is None, error)
+    text = json.dumps(messages, ensure_ascii=False)
+    _check_size("messages", text)  # what the server measures: the input's bytes
+    return {"messages": text}
+
+
+def _check_size(name: str, text: str) -> None:
+    error = prompt_size_error(name, len(text.encode("utf-8", "surrogatepass")))
+    _check(error is None, error)
 
 
 def _is_int(value) -> bool:

@@ -224,10 +224,12 @@ class HttpTransport(_FrontFinder):
     async def responses(self, request: Request) -> AsyncIterator[Response]:
         import aiohttp
 
-        endpoint = "generate_stream" if request.stream else "generate"
+        # Always streamed, and joined by the client when one answer was asked for: Triton notices that an HTTP client
+        # went away (its timeout, a dropped connection) only when it writes to it, so a request answered in one
+        # response at the end decoded to the end after its client gave up (measured: the slot busy 10 s later)
         try:
-            call = await self._call(request)
-            async with self._session.post(f"{self._base}/{call.model}/{endpoint}", json=call.json()) as reply:
+            call = await self._call(replace(request, stream=True))
+            async with self._session.post(f"{self._base}/{call.model}/generate_stream", json=call.json()) as reply:
                 if reply.content_type != "text/event-stream":  # one JSON body: the answer or an error
                     yield self._response(call, await reply.json(content_type=None), reply.status, final=True)
                     return

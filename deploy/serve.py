@@ -33,11 +33,14 @@ from dflash_contract import DFlashError
 from dflash_contract.layout import read_manifest
 from dflash_contract.server import (ABORT_SECONDS, DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S,
                                     EXIT_TIMEOUT_S, FAILURE_FILE_ENV, FLUSH_SECONDS, GATEWAY_HEALTH_PATH,
-                                    HEALTH_CHECK_SECONDS, METRICS_PATH, NOT_READY_CHECKS, OPENAI_API_KEY_ENV, PORTS,
-                                    READY_PATH, UNHEALTHY_EXIT_CODE, drained_path)
+                                    HANG_FLOOR_SECONDS, HANG_STEP_MULTIPLE, HEALTH_CHECK_SECONDS, METRICS_PATH,
+                                    NOT_READY_CHECKS, OPENAI_API_KEY_ENV, PORTS, PROGRESS_FILE_ENV, QUEUE_TIMEOUT_ENV,
+                                    QUEUE_TIMEOUT_SECONDS, READY_PATH, UNHEALTHY_EXIT_CODE, StepProgress, drained_path)
 from dflash_contract.versions import version_warning
 
+ANY_ADDRESS = "0.0.0.0"  # tritonserver's default: every interface
 DRAIN_FILE = "draining"
+PROGRESS_FILE = "engine-progress"
 FAILURE_FILE = "engine-failed"
 STUB_BINARY = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
@@ -169,14 +172,14 @@ class Gateway:
 
 
 def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, graceful_seconds: float,
-                  timeout: float = 60, target_dir: Path | None = None) -> Gateway:
-    """Start the gateway on `port` (0: a free one) for the tritonserver at grpc_url, and wait until it serves.
+                  timeout: float = 60, target_dir: Path | None = None, host: str = ANY_ADDRESS) -> Gateway:
+    """Start the gateway on host:port (port 0: a free one) for the tritonserver at grpc_url, and wait until it serves.
     target_dir: the target checkpoint whose chat template and tokenizer the gateway uses (gateway_target_dir)."""
     env = {k: v for k, v in os.environ.items() if k != OPENAI_API_KEY_ENV}
     if api_key:
         env[OPENAI_API_KEY_ENV] = api_key  # not in argv, where ps would show it
     command = [sys.executable, "-m", "gateway.main", "--triton-url", grpc_url, "--model-id", model_id,
-               "--port", str(port), "--graceful-seconds", str(graceful_seconds)]
+               "--host", host, "--port", str(port), "--graceful-seconds", str(graceful_seconds)]
     if target_dir is not None:
         command += ["--target-dir", str(target_dir)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
@@ -190,7 +193,7 @@ def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, 
     threading.Thread(target=lambda: [print(out, end="", file=sys.stderr, flush=True) for out in process.stdout],
                      daemon=True).start()
     bound_port = int(line.split("listening on http://", 1)[1].split()[0].rsplit(":", 1)[1])
-    gateway = Gateway(process, f"http://localhost:{bound_port}")
+    gateway = Gateway(process, f"http://{_reachable(host)}:{bound_port}")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and gateway.alive():
         try:
@@ -235,19 +238,22 @@ class TritonServer:
     drain_seconds: float = DRAIN_SECONDS
     backends: list[BackendProcess] = field(default_factory=list)  # watched once the server is ready
     gateway: Gateway | None = None  # the OpenAI-compatible gateway, when started
+    progress: StepProgress | None = None  # the dflash engine loop's, when the repository has one
+    hang_seconds: float = HANG_FLOOR_SECONDS  # the least a step may run before it counts as hung
+    host: str = ANY_ADDRESS  # the address every port is bound to
     _not_ready_checks: int = 0
 
     @property
     def http_url(self) -> str:
-        return f"localhost:{self.ports['http']}"
+        return f"{_reachable(self.host)}:{self.ports['http']}"
 
     @property
     def grpc_url(self) -> str:
-        return f"localhost:{self.ports['grpc']}"
+        return f"{_reachable(self.host)}:{self.ports['grpc']}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://localhost:{self.ports['metrics']}{METRICS_PATH}"
+        return f"http://{_reachable(self.host)}:{self.ports['metrics']}{METRICS_PATH}"
 
     @property
     def failure_file(self) -> Path:
@@ -275,6 +281,9 @@ class TritonServer:
         dead = [b for b in self.backends if not b.alive()]
         if dead:
             return "; ".join(f"the backend process of model {b.model!r} (pid {b.pid}) died" for b in dead)
+        hung = self.progress.hung(self.hang_seconds) if self.progress is not None else None
+        if hung:
+            return hung
         # Triton's own verdict (a dead backend from 26.01, the model's is_ready from 26.03). Only an
         # answer counts: a server too busy to answer in time is not a dead one.
         ready = self.readiness()
@@ -299,6 +308,8 @@ class TritonServer:
     def shut_down(self) -> None:
         """Drain (requests finish, or end with an error after drain_seconds), then SIGTERM tritonserver. The
         gateway stops accepting first and exits once its open requests ended with the drain."""
+        started = time.monotonic()
+        _say(f"draining: new requests are refused, requests in flight may finish for up to {self.drain_seconds:g} s")
         if self.gateway is not None:
             self.gateway.stop_accepting()
         drain_file = self.runtime_dir / DRAIN_FILE
@@ -307,6 +318,9 @@ class TritonServer:
         deadline = time.monotonic() + self.drain_seconds + DRAIN_SLACK_S
         while time.monotonic() < deadline and self.process.poll() is None and not drained_path(drain_file).exists():
             time.sleep(0.25)
+        drained = drained_path(drain_file).exists()
+        _say(f"{'no request left' if drained else 'the drain timed out'} after {time.monotonic() - started:.1f} s; "
+             f"stopping tritonserver (models unload within {EXIT_TIMEOUT_S} s)")
         time.sleep(FLUSH_SECONDS)
         if self.gateway is not None:
             self.gateway.stop(FLUSH_SECONDS + DRAIN_SLACK_S)
@@ -374,6 +388,15 @@ class TritonServer:
         self.stop()
 
 
+def _say(message: str) -> None:
+    print(f"dflash-serve: {message}", file=sys.stderr, flush=True)
+
+
+def _reachable(host: str) -> str:
+    """Where this machine reaches a server bound to `host`."""
+    return "localhost" if host in (ANY_ADDRESS, "::", "") else f"[{host}]" if ":" in host else host
+
+
 def stage_trtllm_repository(repository: Path, runtime: Path, model_code: Path = TRTLLM_MODEL_CODE) -> Path:
     """The repository to serve: `repository` itself, or, for a TensorRT-LLM build whose LLM-API model has
     no code yet, a copy in `runtime` (files linked, the build stays read-only) with the image's model
@@ -399,9 +422,12 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
                  metrics_port: int = PORTS["metrics"], log_path: Path | None = None, log_verbose: int = 0,
                  ready_timeout: float = 300, drain_seconds: float = DRAIN_SECONDS,
                  trtllm_model_code: Path = TRTLLM_MODEL_CODE, openai_port: int | None = None,
-                 openai_api_key: str | None = None) -> TritonServer:
+                 openai_api_key: str | None = None, hang_seconds: float = HANG_FLOOR_SECONDS,
+                 queue_timeout: float = QUEUE_TIMEOUT_SECONDS, host: str = ANY_ADDRESS) -> TritonServer:
     """Start tritonserver on `repository` and wait until it is ready, then the OpenAI gateway on openai_port
-    (None: no gateway). Port 0 picks a free port."""
+    (None: no gateway). Port 0 picks a free port. A dflash engine step running longer than
+    max(HANG_STEP_MULTIPLE x its usual cost, hang_seconds) makes the server unhealthy; a request waiting longer
+    than queue_timeout for a slot is refused (0: no bound). Every port is bound to `host`."""
     repository = Path(repository).resolve()
     if not repository.is_dir():
         raise ServeError(f"model repository {repository} does not exist (build one with builder/build.py)")
@@ -415,8 +441,10 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     except BaseException:
         shutil.rmtree(runtime, ignore_errors=True)
         raise
+    progress = StepProgress.create(runtime / PROGRESS_FILE)  # all zeros: no step running, until the engine's first
     env = {**os.environ, DRAIN_FILE_ENV: str(runtime / DRAIN_FILE), DRAIN_SECONDS_ENV: str(drain_seconds),
-           FAILURE_FILE_ENV: str(runtime / FAILURE_FILE)}
+           FAILURE_FILE_ENV: str(runtime / FAILURE_FILE), PROGRESS_FILE_ENV: str(runtime / PROGRESS_FILE),
+           QUEUE_TIMEOUT_ENV: str(queue_timeout)}
     env.pop(OPENAI_API_KEY_ENV, None)  # the gateway's alone: the models' processes have no use for it
     binary = shutil.which("tritonserver")
     backend_args = []
@@ -425,8 +453,9 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
         env.update(extra_env)
         backend_args = [f"--backend-directory={runtime / 'backends'}"]
     command = [str(binary), f"--model-repository={repository}", *backend_args,
-               f"--http-port={ports['http']}", f"--grpc-port={ports['grpc']}",
-               f"--metrics-port={ports['metrics']}", "--allow-metrics=true",
+               f"--http-address={host}", f"--http-port={ports['http']}", f"--grpc-address={host}",
+               f"--grpc-port={ports['grpc']}", f"--metrics-address={host}", f"--metrics-port={ports['metrics']}",
+               "--allow-metrics=true",
                f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--log-verbose={log_verbose}"]
     # If this process dies without stopping the server (SIGKILL, OOM), the server gets SIGTERM rather
     # than living on as an orphan that holds the ports, memory and a core (found once: a killed test
@@ -439,12 +468,13 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     # its own process group: backend stubs orphaned by an abrupt exit are reaped with the group
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
                                start_new_session=True)
-    server = TritonServer(process, ports, log_path, runtime, drain_seconds)
+    server = TritonServer(process, ports, log_path, runtime, drain_seconds, progress=progress,
+                          hang_seconds=hang_seconds, host=host)
     try:
         server.wait_ready(ready_timeout)
         if openai_port is not None:
             server.gateway = start_gateway(server.grpc_url, served_id, openai_port, openai_api_key,
-                                           drain_seconds + DRAIN_SLACK_S, target_dir=target_dir)
+                                           drain_seconds + DRAIN_SLACK_S, target_dir=target_dir, host=host)
     except BaseException:  # also SIGINT/SIGTERM while models load: never leave tritonserver behind
         process.kill()
         process.wait()
@@ -462,16 +492,16 @@ def supervise(server: TritonServer, shutdown: threading.Thread) -> int:
         # not while draining: models unload then, and their processes end (a drain may begin mid-check)
         problem = server.health_problem() if shutdown.ident is None else None
         if problem and shutdown.ident is None:
-            print(f"dflash-serve: {problem}; stopping tritonserver so that the server is restarted",
-                  file=sys.stderr, flush=True)
+            _say(f"{problem}; stopping tritonserver so that the server is restarted")
             server.abort(problem)
             return UNHEALTHY_EXIT_CODE
         time.sleep(HEALTH_CHECK_SECONDS)
     code = server.stop()
     if shutdown.ident is not None:
+        _say(f"stopped (tritonserver exit code {code})")
         return code
     cause = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-    print(f"dflash-serve: tritonserver ended on its own ({cause})", file=sys.stderr, flush=True)
+    _say(f"tritonserver ended on its own ({cause})")
     return 128 - code if code < 0 else UNHEALTHY_EXIT_CODE
 
 
@@ -487,13 +517,17 @@ def main(argv: list[str] | None = None) -> int:
                "printed once ready\n\n"
                "GPU: in nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 the same command uses the container's "
                "tritonserver and backends.\n\n"
-               "While serving it watches the models' backend processes, the engine and Triton's readiness every "
+               "While serving it watches the models' backend processes, the engine (alive, and not stuck in a "
+               "step: --hang-seconds) and Triton's readiness every "
                f"{HEALTH_CHECK_SECONDS:g} s;\non a failure it stops tritonserver and exits: run it under a supervisor "
                "that restarts it\n(Kubernetes, docker --restart on-failure, systemd).\n\n"
                "exit status: 0 stopped on request; 1 could not start (or tritonserver failed its own shutdown);\n"
                f"{UNHEALTHY_EXIT_CODE} a backend or the engine died, or tritonserver ended by itself; "
                "128+N tritonserver was killed by signal N.")
     parser.add_argument("repository", help="rendered model repository (<build>/model_repository)")
+    parser.add_argument("--host", default=ANY_ADDRESS,
+                        help="the address every port listens on (default: all interfaces); 127.0.0.1 keeps a "
+                             "developer's server to this machine")
     parser.add_argument("--http-port", type=int, default=PORTS["http"], help="0 = pick a free port")
     parser.add_argument("--grpc-port", type=int, default=PORTS["grpc"], help="0 = pick a free port")
     parser.add_argument("--metrics-port", type=int, default=PORTS["metrics"], help="0 = pick a free port")
@@ -506,6 +540,13 @@ def main(argv: list[str] | None = None) -> int:
                              "no key)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbosity (0 = info)")
     parser.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for readiness")
+    parser.add_argument("--hang-seconds", type=float, default=HANG_FLOOR_SECONDS,
+                        help=f"an engine step running longer than max(this, {HANG_STEP_MULTIPLE} x its usual cost) "
+                             f"counts as a hung engine: the server stops, exit status {UNHEALTHY_EXIT_CODE} "
+                             f"(default: {HANG_FLOOR_SECONDS:g})")
+    parser.add_argument("--queue-timeout", type=float, default=QUEUE_TIMEOUT_SECONDS,
+                        help="seconds a request may wait for a KV-cache slot before it is refused as UNAVAILABLE "
+                             f"(retry later); 0 = no bound (default: {QUEUE_TIMEOUT_SECONDS:g})")
     parser.add_argument("--trtllm-model-code", type=Path, default=TRTLLM_MODEL_CODE,
                         help="--runtime trtllm builds: the directory of TensorRT-LLM's LLM-API model.py and helpers.py "
                              "(default: where the NGC trtllm image has them)")
@@ -519,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
                               log_verbose=args.log_verbose, ready_timeout=args.ready_timeout,
                               trtllm_model_code=args.trtllm_model_code,
                               openai_port=None if args.no_openai else args.openai_port,
-                              openai_api_key=args.openai_api_key)
+                              openai_api_key=args.openai_api_key, hang_seconds=args.hang_seconds,
+                              queue_timeout=args.queue_timeout, host=args.host)
     except ServeError as e:
         print(f"dflash-serve: {e}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ and `dflash-generate` all follow this rule.
 """
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 
@@ -97,6 +98,61 @@ def response_statistics(draft_steps: int, accepted_draft_tokens: int, draft_toke
     }
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """The largest request accepted, the same at every door: the front models (dflash_serving.requests), the
+    OpenAI gateway (gateway.api, before it calls the server) and the clients' own checks (clients.params).
+    Beyond a limit a request is refused as INVALID_ARG naming it (the messages below), never cut to fit. The
+    prompt's tokens have no limit here: the build's context does (the dflash model refuses prompt + max_tokens
+    over it, naming the context limit), which only the engine knows."""
+
+    # the prompt's UTF-8 bytes: text_input, or the `messages` input's JSON. About 250k tokens of prose or code
+    # (~4 bytes a token, also for CJK text: ~3 bytes a character, ~1.4 characters a token), above the context
+    # of every target DFlash drafters exist for (32k-128k): a real prompt meets the context limit first. It bounds
+    # what one request makes the server decode, JSON-parse and tokenize before that check.
+    prompt_bytes: int = 1 << 20
+    # messages in a conversation (each one's size is bounded by prompt_bytes): 2048, what OpenAI's chat API is
+    # known to allow; long multi-turn conversations stay far below it.
+    messages: int = 2048
+    # stop strings per request, and each one's UTF-8 bytes: OpenAI allows 4 (vLLM and TensorRT-LLM set no
+    # number); stop strings are end markers ("</answer>", "\nUser:"), and the engine matches every one
+    # against the text's tail after every step, so their number and length are what each step pays for.
+    stop_words: int = 16
+    stop_word_bytes: int = 256
+    # max_tokens: 2**18, above the largest output any hosted API offers today (OpenAI's: 128k) and as large
+    # as the largest contexts of open models; the build's context limit refuses what it cannot hold anyway.
+    max_tokens: int = 1 << 18
+
+
+LIMITS = RequestLimits()
+
+
+def prompt_size_error(name: str, size: int) -> str | None:
+    """The message for a prompt (text_input or messages, `size` UTF-8 bytes) over LIMITS.prompt_bytes, or None."""
+    if size <= LIMITS.prompt_bytes:
+        return None
+    return f"{name} is {size} bytes (UTF-8), over the limit of {LIMITS.prompt_bytes} bytes per request"
+
+
+def messages_count_error(count: int) -> str | None:
+    if count <= LIMITS.messages:
+        return None
+    return f"messages has {count} messages, over the limit of {LIMITS.messages} per request"
+
+
+def stop_words_error(name: str, words) -> str | None:
+    """The message for stop strings (str) over LIMITS' number or length, or None; `name` is the field's."""
+    words = list(words)
+    if len(words) > LIMITS.stop_words:
+        return f"{name} has {len(words)} stop strings, over the limit of {LIMITS.stop_words} per request"
+    for i, word in enumerate(words):
+        size = len(word.encode("utf-8", "surrogatepass"))
+        if size > LIMITS.stop_word_bytes:
+            return (f"{name}[{i}] is {size} bytes (UTF-8), over the limit of {LIMITS.stop_word_bytes} bytes per "
+                    "stop string")
+    return None
+
+
 def parse_messages(raw: str) -> list[dict[str, str]]:
     """A conversation in OpenAI's shape (the `messages` input) as [{"role", "content": str}]; DFlashError naming
     the message and field for anything else. The front models' check, and the gateway's where it templates."""
@@ -106,6 +162,9 @@ def parse_messages(raw: str) -> list[dict[str, str]]:
         raise DFlashError(f"messages: not JSON ({e})") from None
     if not isinstance(messages, list) or not messages:
         raise DFlashError("messages must be a non-empty JSON list of {\"role\", \"content\"} objects")
+    error = messages_count_error(len(messages))
+    if error:
+        raise DFlashError(error)
     return [_message(i, m) for i, m in enumerate(messages)]
 
 
@@ -155,11 +214,56 @@ ALIASES = {"seed": "random_seed", "min_tokens": "min_length"}
 
 
 def range_error(name: str, value) -> str | None:
-    """The message for a value outside its input's range (RANGES), or None."""
+    """The message for a value outside its input's range (RANGES, and LIMITS.max_tokens), or None."""
     rule = RANGES.get(name)
-    if rule is None or rule[0](value):
+    if rule is not None and not rule[0](value):
+        return f"{name} must be {rule[1]}, got {value}"
+    if name == "max_tokens" and value > LIMITS.max_tokens:
+        return f"{name} is {value}, over the limit of {LIMITS.max_tokens} tokens per request"
+    return None
+
+
+# Request parameters that are Triton's own: its parameters extension's reserved names (docs/protocol/
+# extension_parameters.md: never custom parameters), and the generate extension's "id" (the request id, which
+# Triton 2.51 also passes on as a parameter: measured). Over HTTP generate / generate_stream, every body field
+# that names no input reaches the model as a request parameter (so do a "parameters" object's members, but for
+# those that name an input, which become that input: measured); gRPC requests carry parameters as well. The
+# front models read none, so any other parameter would be ignored: it is refused instead (parameters_error),
+# over both protocols. A normal request, from our clients or tritonclient, arrives with none (measured: Triton
+# strips "triton_enable_empty_final_response").
+TRITON_PARAMETERS = frozenset(("id", "sequence_id", "priority", "timeout", "sequence_start", "sequence_end",
+                               "headers"))
+TRITON_PARAMETER_PREFIX = "triton_"
+_NAME_SHOWN = 64  # characters of a field name a message shows
+
+
+def parameters_error(parameters_json: str) -> str | None:
+    """The message for request parameters a front model would ignore (a misspelt HTTP generate field, ...), or
+    None. `parameters_json` is the Python backend's request.parameters(). Names only: values are never shown."""
+    try:
+        parameters = json.loads(parameters_json or "{}")
+    except json.JSONDecodeError:
+        return None  # Triton's own JSON: cannot happen; nothing of the client's to name
+    unknown = sorted(name for name in parameters if name not in TRITON_PARAMETERS
+                     and not name.startswith(TRITON_PARAMETER_PREFIX))
+    if not unknown:
         return None
-    return f"{name} must be {rule[1]}, got {value}"
+    first, shown = unknown[0], [_shown(name) for name in unknown]
+    if first in FRONT_INPUTS:
+        message = (f"{first} came as a request parameter, which this model does not read: send it as an input (a "
+                   "top-level field of an HTTP generate body, a tensor over gRPC)")
+    else:
+        close = difflib.get_close_matches(first, FRONT_INPUTS, n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        message = (f"{shown[0]} is not an input of this model{hint}: a field that names no input is refused, "
+                   "not ignored")
+    if len(shown) > 1:
+        message += f" (other fields refused: {', '.join(shown[1:])})"
+    return message
+
+
+def _shown(name: str) -> str:
+    return name if len(name) <= _NAME_SHOWN else name[:_NAME_SHOWN] + "..."
 
 
 # Error classes: what a client can do about a failed request. Triton's error codes do not survive every
@@ -183,7 +287,9 @@ INTERNAL_ERROR_PREFIX = "internal error"
 TRITON_REFUSAL_PHRASES = ("expected number of inputs between", "inputs but got", "unexpected inference input",
                           "unexpected shape for input", "data-type is", "batch-size must be",
                           "input byte size mismatch", "string elements for inference input",
-                          "has no shape but model requires batch dimension", "request has 0 inputs")
+                          "has no shape but model requires batch dimension", "request has 0 inputs",
+                          "has invalid type. It should be either")  # an HTTP generate field (list, object, null)
+                                                                    # that names no input
 
 
 def invalid_request(detail: str) -> str:

@@ -6,7 +6,10 @@ manifests all read these.
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import struct
+import time
 from pathlib import Path
 
 # openai: the OpenAI-compatible gateway (dflash_gateway) beside tritonserver; 9000 is Triton's own OpenAI frontend's
@@ -47,6 +50,79 @@ HEALTH_CHECK_SECONDS = 1.0
 NOT_READY_CHECKS = 2  # consecutive "not ready" answers from tritonserver that count as a failure
 ABORT_SECONDS = 3
 UNHEALTHY_EXIT_CODE = 3
+
+
+# The progress watch. An engine loop that is alive but does not advance (a step that never returns: a GPU
+# hang, a deadlock, a blocked device copy) leaves its process alive and Triton ready while every request
+# waits. So the loop records, in a small file dflash-serve creates (PROGRESS_FILE_ENV), when its running step
+# began and what its steps usually take (StepProgress); the health watch counts a step running longer than
+# max(HANG_STEP_MULTIPLE x the usual step, the hang floor) as a failure, with a dead engine's consequences.
+# The usual step is a moving average of the loop's own steps, prefills included: the multiple leaves room
+# for a long prefill among decode steps (a 4k-token prefill costs tens of decode steps), and the floor
+# (dflash-serve --hang-seconds) for the first steps, whose kernels compile and caches warm, and for slow
+# CPUs. Nothing is judged while the loop waits for work: an idle server is not a hung one.
+PROGRESS_FILE_ENV = "DFLASH_PROGRESS_FILE"
+HANG_STEP_MULTIPLE = 50
+HANG_FLOOR_SECONDS = 60.0
+# A fault that every step raises (a CUDA error after an illegal access poisons the context for good) costs
+# an INTERNAL error per step forever: after this many consecutive failed steps the loop stops as if its
+# thread had died, and the server is restarted.
+FAILED_STEPS_LIMIT = 3
+# The longest a request waits for a KV-cache slot before it is refused as UNAVAILABLE (retry later or
+# elsewhere): a client waits for its first token at most about this long on a saturated server, rather
+# than for as long as every request before it takes. dflash-serve --queue-timeout sets it (0: no bound).
+QUEUE_TIMEOUT_ENV = "DFLASH_QUEUE_TIMEOUT_SECONDS"
+QUEUE_TIMEOUT_SECONDS = 60.0
+# Tests only: "hang-step" makes the engine loop's next step block forever, "fail-step" makes every step raise.
+TEST_FAULT_ENV = "DFLASH_TEST_FAULT"
+
+
+class StepProgress:
+    """The engine loop's progress record, written by the loop and read by dflash-serve: a 16-byte mapped file
+    holding when the running step began (CLOCK_MONOTONIC, one clock for every process of the machine; 0 when
+    no step runs) and the loop's usual step seconds. A mapping: the loop writes it twice a step, with no
+    system call."""
+
+    FORMAT = "<dd"
+
+    def __init__(self, path: Path):
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), struct.calcsize(self.FORMAT))
+
+    @classmethod
+    def create(cls, path: Path) -> "StepProgress":
+        path.write_bytes(bytes(struct.calcsize(cls.FORMAT)))
+        return cls(path)
+
+    def started(self, usual_seconds: float) -> None:
+        self._map[:] = struct.pack(self.FORMAT, time.monotonic(), usual_seconds)
+
+    def finished(self, usual_seconds: float) -> None:
+        self._map[:] = struct.pack(self.FORMAT, 0.0, usual_seconds)
+
+    def hung(self, floor_seconds: float) -> str | None:
+        """Why the running step counts as hung, or None."""
+        since, usual = struct.unpack(self.FORMAT, self._map[:])
+        if not since:
+            return None
+        running, limit = time.monotonic() - since, max(HANG_STEP_MULTIPLE * usual, floor_seconds)
+        if running <= limit:
+            return None
+        return (f"the engine made no progress: a step has run for {running:.1f} s (the limit is {limit:.1f} s: "
+                f"{HANG_STEP_MULTIPLE} x the usual {usual:.3f} s, at least {floor_seconds:g} s)")
+
+
+def queue_timeout() -> float | None:
+    """Seconds a request may wait for a slot, as dflash-serve set it (QUEUE_TIMEOUT_SECONDS by default); None:
+    no bound."""
+    seconds = float(os.environ.get(QUEUE_TIMEOUT_ENV, QUEUE_TIMEOUT_SECONDS))
+    return seconds if seconds > 0 else None
+
+
+def progress_signal() -> StepProgress | None:
+    """Where the engine loop records its progress, when launched by dflash-serve."""
+    path = os.environ.get(PROGRESS_FILE_ENV)
+    return StepProgress(Path(path)) if path else None
 
 
 def report_engine_failure(cause: str) -> None:

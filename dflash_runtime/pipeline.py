@@ -55,11 +55,12 @@ class Pipeline:
                                  max_context=max_context, decode=self.decode if self.tokenizer else None,
                                  step_costs=step_costs)
 
-    def encode(self, text: str, chat: bool = True) -> list[int]:
-        """Token ids of a prompt; with chat, `text` is a user message wrapped in the chat template."""
+    def encode(self, text: str, chat: bool = True, allow_special_tokens: bool = False) -> list[int]:
+        """Token ids of a prompt; with chat, `text` is a user message wrapped in the chat template. Special-token
+        text in it stays text unless allow_special_tokens (a trusted prompt: text.encode_prompt)."""
         if self.tokenizer is None:
             raise DFlashError(f"{self.target_dir} has no tokenizer: pass token ids instead of text")
-        return encode_prompt(self.tokenizer, text, chat)
+        return encode_prompt(self.tokenizer, text, chat, allow_special_tokens=allow_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return decode(self.tokenizer, ids)

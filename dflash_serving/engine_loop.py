@@ -7,6 +7,7 @@ own responses through the `Stream` it passes in; nothing here knows which server
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -16,14 +17,16 @@ from typing import Callable, Protocol, Sequence as Seq
 from dflash_contract import DFlashError
 from dflash_contract.protocol import (CANCELLED_MESSAGE, CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE,
                                       INTERNAL_ERROR_PREFIX, SHUTTING_DOWN_MESSAGE)
+from dflash_contract.server import FAILED_STEPS_LIMIT, TEST_FAULT_ENV, StepProgress
 from dflash_runtime.engine import SpeculativeEngine, StepOutput
 from dflash_runtime.sampling import SamplingParams, SamplingStats
-from dflash_runtime.sequence import Sequence
+from dflash_runtime.sequence import Sequence, Status
 
 from .detokenize import token_window
 
 
 CANCEL_CHECK_SECONDS = 0.25
+USUAL_STEP_WEIGHT = 0.1  # of each step in the moving average of step seconds the progress record carries
 
 
 class QueueFull(DFlashError):
@@ -32,6 +35,10 @@ class QueueFull(DFlashError):
 
 class EngineStopped(DFlashError):
     """The loop thread died: this engine serves nothing more until its server restarts (retry elsewhere)."""
+
+
+class StepsFailing(RuntimeError):
+    """FAILED_STEPS_LIMIT steps in a row raised: a fault no request causes, which ends the loop."""
 
 
 @dataclass
@@ -61,6 +68,7 @@ class _Request:
     stream: Stream
     streaming: bool
     shown: int = 0  # output tokens already sent
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -80,20 +88,29 @@ class StepReport:
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], SpeculativeEngine], max_queue_size: int = 64,
                  on_step: Callable[[StepReport], None] | None = None,
-                 on_failure: Callable[[str], None] | None = None):
+                 on_failure: Callable[[str], None] | None = None, progress: StepProgress | None = None,
+                 max_queue_seconds: float | None = None):
         """make_engine runs on the loop thread, and no other thread should run torch afterwards.
 
         Why: each thread that runs a parallel torch op gets its own OpenMP team, and on a small CPU
         a live idle team slows the other down. Measured on 2 cores: the engine loaded on the main
         thread and stepped on a worker decoded 25-30% slower than loaded and stepped on one thread.
-        Raises what make_engine raises. on_failure(cause) is called once if the loop thread dies.
+        Raises what make_engine raises. on_failure(cause) is called once if the loop thread dies (or
+        FAILED_STEPS_LIMIT steps in a row raise). progress, when given, records each step's start and end
+        for a watch in another process (dflash_contract.server.StepProgress). A request still waiting for a
+        slot after max_queue_seconds is refused as at capacity (None: it waits as long as it takes).
         """
         if max_queue_size < 0:
             raise DFlashError(f"max queue size must be >= 0, got {max_queue_size}")
         self.max_queue_size = max_queue_size
+        self.max_queue_seconds = max_queue_seconds
         self.on_step = on_step
         self.on_failure = on_failure
         self.failure: str | None = None  # why the loop thread died
+        self.progress = progress
+        self._usual_step_seconds = 0.0
+        self._failed_steps = 0
+        self._fault = os.environ.get(TEST_FAULT_ENV)  # tests only (dflash_contract.server)
         self._requests: dict[Sequence, _Request] = {}
         self._lock = threading.Lock()  # guards the engine's queues and self._requests
         self._wake = threading.Event()
@@ -190,6 +207,10 @@ class EngineLoop:
                     ready, report = self._step()
                 except Exception as e:  # a bug or out-of-memory: fail what is in flight, keep serving
                     traceback.print_exc()
+                    self._failed_steps += 1
+                    if self._failed_steps >= FAILED_STEPS_LIMIT:  # not one request's fault: the engine's
+                        raise StepsFailing(f"{self._failed_steps} engine steps in a row failed, the last with "
+                                           f"{type(e).__name__}: {e}") from e
                     self._abort(list(self._requests.values()), f"{INTERNAL_ERROR_PREFIX}: {type(e).__name__}: {e}")
                     continue
             for request in ready:
@@ -207,9 +228,10 @@ class EngineLoop:
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
             self._abort(list(self._requests.values()), f"{SHUTTING_DOWN_MESSAGE}; the request was aborted")
         cancelled = self._drop_cancelled()
+        self._drop_overdue()
         outputs = []
         if self.engine.has_unfinished():
-            outputs = self.engine.step()
+            outputs = self._timed_step()
         else:
             self._wake.clear()
         # a request prefilled in this step is also in its draft/verify pass: one chunk covers both
@@ -218,6 +240,26 @@ class EngineLoop:
             if request.sequence.finished:
                 del self._requests[request.sequence]
         return ready, self._report(outputs, cancelled)
+
+    def _timed_step(self) -> list[StepOutput]:
+        started = time.monotonic()
+        if self.progress is not None:
+            self.progress.started(self._usual_step_seconds)
+        try:
+            if self._fault == "hang-step":
+                threading.Event().wait()
+            if self._fault == "fail-step":
+                raise RuntimeError(f"a failing step ({TEST_FAULT_ENV}=fail-step)")
+            outputs = self.engine.step()
+            self._failed_steps = 0  # only a step that ran counts: idle iterations say nothing of the engine
+            return outputs
+        finally:
+            seconds = time.monotonic() - started
+            usual = self._usual_step_seconds
+            self._usual_step_seconds = (seconds if not usual else
+                                        (1 - USUAL_STEP_WEIGHT) * usual + USUAL_STEP_WEIGHT * seconds)
+            if self.progress is not None:
+                self.progress.finished(self._usual_step_seconds)
 
     def _drop_cancelled(self) -> int:
         # asking a server whether a request was cancelled can be a round trip to another process:
@@ -229,6 +271,17 @@ class EngineLoop:
         cancelled = [r for r in self._requests.values() if _is_cancelled(r)]
         self._abort(cancelled, CANCELLED_MESSAGE)
         return len(cancelled)
+
+    def _drop_overdue(self) -> None:
+        """Requests that waited for a slot longer than max_queue_seconds: refused, as if the queue were full."""
+        if self.max_queue_seconds is None:
+            return
+        now = time.monotonic()
+        overdue = [r for r in self._requests.values() if r.sequence.status is Status.WAITING
+                   and now - r.queued_at > self.max_queue_seconds]
+        for request in overdue:
+            self._abort([request], f"{CAPACITY_MESSAGE} (waited {now - request.queued_at:.0f} s for a slot, the "
+                                   f"limit is {self.max_queue_seconds:g} s); retry later")
 
     def _abort(self, requests: list[_Request], message: str) -> None:
         for request in requests:

@@ -12,27 +12,35 @@ import numpy as np
 
 from dflash_contract import DFlashError
 from dflash_contract.protocol import (ALIASES, FIXED_INPUTS, FRONT_INPUTS, PROMPT_INPUTS, REQUIRED_INPUTS,
-                                      parse_messages, range_error)
+                                      parameters_error, parse_messages, prompt_size_error, range_error,
+                                      stop_words_error)
 from dflash_runtime.sampling import SamplingParams
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
 NUMERIC_INPUTS = tuple(name for name, data_type in FRONT_INPUTS.items() if data_type != "BYTES")
 
 
-def parse_front_request(tensor: TensorGetter) -> tuple[str | list[dict[str, str]], bool]:
-    """(prompt, apply the chat template?) of a front-model request, after checking all its inputs: the prompt is
-    text_input's text, or the conversation in `messages` (always templated), as [{"role", "content": str}].
+def parse_front_request(tensor: TensorGetter, parameters: str = "{}") -> tuple[str | list[dict[str, str]], bool]:
+    """(prompt, apply the chat template?) of a front-model request, after checking all its inputs and its request
+    parameters (request.parameters(): JSON): the prompt is text_input's text, or the conversation in `messages`
+    (always templated), as [{"role", "content": str}].
 
     The preprocessing model runs this for both front models (it is the ensemble's first step and
-    dflash_bls's first call), so both refuse the same requests with the same messages.
+    dflash_bls's first call), so both refuse the same requests with the same messages. (dflash_bls checks its
+    own request's parameters first, by the same rule, protocol.parameters_error: a BLS call passes none on.)
     """
+    check_parameters(parameters)
     given = [name for name in PROMPT_INPUTS if tensor(name) is not None]
     if len(given) != 1:
         raise DFlashError("send one of text_input and messages" if given else "text_input (or messages) is required")
     for name in REQUIRED_INPUTS:
         if tensor(name) is None:
             raise DFlashError(f"{name} is required")
-    text = utf8(given[0], scalar(tensor, given[0]))
+    raw = scalar(tensor, given[0])
+    error = prompt_size_error(given[0], len(raw) if isinstance(raw, bytes) else len(str(raw).encode("utf-8")))
+    if error:
+        raise DFlashError(error)
+    text = utf8(given[0], raw)
     check_numbers(tensor)
     check_fixed(tensor)
     aliased(tensor, "seed")
@@ -70,6 +78,14 @@ def parse_engine_request(tensor: TensorGetter) -> tuple[list[int], SamplingParam
     return ids[0].tolist(), params, bool(scalar(tensor, "stream", False))
 
 
+def check_parameters(parameters: str) -> None:
+    """No request parameter that is not Triton's own (dflash_contract.protocol.parameters_error): over HTTP
+    generate, a misspelt field ("temprature") arrives as one, and would otherwise be ignored."""
+    error = parameters_error(parameters)
+    if error:
+        raise DFlashError(error)
+
+
 def check_fixed(tensor: TensorGetter) -> None:
     """tensorrtllm_backend's inputs we serve at one value only (dflash_contract.protocol.FIXED_INPUTS)."""
     for name, (_, value, meaning) in FIXED_INPUTS.items():
@@ -102,7 +118,9 @@ def aliased(tensor: TensorGetter, name: str) -> int | None:
 
 
 def check_words(tensor: TensorGetter) -> None:
-    strings(tensor, "stop_words")  # valid UTF-8
+    error = stop_words_error("stop_words", strings(tensor, "stop_words"))  # valid UTF-8, within LIMITS
+    if error:
+        raise DFlashError(error)
     if strings(tensor, "bad_words"):
         raise DFlashError("bad_words is not supported by the DFlash engine")
 

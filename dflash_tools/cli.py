@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="a user message (the target's chat template is applied unless --raw)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids, sent as they are")
     parser.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
+    parser.add_argument("--allow-special-tokens", action="store_true",
+                        help="read special-token text in --prompt (e.g. <|im_end|>) as those tokens, for a trusted "
+                             "prompt; by default it is ordinary text, so that a prompt cannot end its turn or forge "
+                             "a system turn")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=block_size_argument, default=AUTO_BLOCK_SIZE,
                         help=f"{AUTO_BLOCK_SIZE!r} (default): each step verifies the length that maximises expected "
@@ -65,6 +69,14 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+def request_ids(pipe, args: argparse.Namespace) -> list[int]:
+    """The prompt's token ids: --prompt-ids as given, or --prompt encoded (its special-token text ordinary text
+    unless --allow-special-tokens)."""
+    if args.prompt_ids is not None:
+        return parse_ids(args.prompt_ids)
+    return pipe.encode(args.prompt, chat=not args.raw, allow_special_tokens=args.allow_special_tokens)
+
+
 def run(args: argparse.Namespace) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),
@@ -76,10 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     if pipe.drafter is None and args.block_size == AUTO_BLOCK_SIZE:
         print("dflash-generate: no drafter, so block size auto means plain decoding", file=sys.stderr)
     engine = pipe.engine(block_size=args.block_size, max_batch_size=1, max_context=args.max_context)
-    if args.prompt_ids is not None:
-        prompt_ids = parse_ids(args.prompt_ids)
-    else:
-        prompt_ids = pipe.encode(args.prompt, chat=not args.raw)
+    prompt_ids = request_ids(pipe, args)
     seq = engine.add_request(prompt_ids, params)
     start = time.perf_counter()
     printed = ""

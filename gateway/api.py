@@ -89,7 +89,7 @@ def chat_request(body: object, model_id: str, default_max_tokens: int) -> Transl
     messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                 for m in messages]
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    return _translated(body, prompt_inputs(messages, chat=True), default_max_tokens if limit is None else limit,
+    return _translated(body, _prompt(messages, chat=True), default_max_tokens if limit is None else limit,
                        "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
 
 
@@ -102,8 +102,21 @@ def completion_request(body: object, model_id: str) -> Translated:
         raise invalid("prompt must be a non-empty string (one prompt per request; token-id prompts are not "
                       "supported)", "prompt")
     limit = body.get("max_tokens")
-    return _translated(body, prompt_inputs(prompt, chat=False), COMPLETION_DEFAULT_MAX_TOKENS if limit is None
+    return _translated(body, _prompt(prompt, chat=False), COMPLETION_DEFAULT_MAX_TOKENS if limit is None
                        else limit, "max_tokens")
+
+
+def _prompt(prompt, chat: bool) -> dict:
+    """The front model's prompt inputs, within the size limits (dflash_contract.protocol.LIMITS: the prompt's bytes,
+    the number of messages), refused as the server would, naming the request's field (prompt or messages)."""
+    try:
+        return prompt_inputs(prompt, chat=chat)
+    except InvalidRequest as e:
+        name = "messages" if not isinstance(prompt, str) else "prompt"
+        message = str(e)
+        if message.startswith("text_input"):
+            message = "prompt" + message[len("text_input"):]
+        raise invalid(message, name) from None
 
 
 def _checked(body: object, known: frozenset[str], model_id: str) -> dict:
@@ -146,8 +159,8 @@ def _translated(body: dict, prompt: dict, max_tokens: object, max_tokens_name: s
         raise invalid("ignore_eos must be true or false", "ignore_eos")
     try:  # end_id -1 replaces the end-of-sequence ids by one that never comes
         params = GenerationParams(stop=tuple(s for s in stop if s), end_id=-1 if ignore_eos else None, **values)
-    except InvalidRequest as e:
-        name = next((n for n in values if str(e).startswith(n)), None)
+    except InvalidRequest as e:  # the server's rules (ranges, limits), checked by the clients' GenerationParams
+        name = next((n for n in (*values, "stop") if str(e).startswith(n)), None)
         message = str(e) if name is None else _name(name, max_tokens_name) + str(e)[len(name):]
         raise invalid(message, name and _name(name, max_tokens_name)) from None
     # streamed from the server either way: each response is where a client's disconnect is noticed

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from clients.errors import (DFlashClientError, IncompleteResponse, InvalidRequest, RequestCancelled,
                             ServerUnavailable)
 from clients.transport import GrpcTransport, Response
+from dflash_contract.protocol import LIMITS
 from dflash_contract.server import GATEWAY_HEALTH_PATH
 
 from . import api
@@ -38,7 +39,10 @@ class Settings:
     model_id: str  # what /v1/models lists and requests name
     api_key: str | None = None  # None: no authentication
     default_max_tokens: int = 512  # for a chat request without max_completion_tokens / max_tokens
-    max_body_bytes: int = 4 << 20
+    # 4 x the prompt's limit (protocol.LIMITS.prompt_bytes, which api refuses with 400 naming it): a prompt at
+    # that limit fits however JSON escapes it (\uXXXX: 2x a CJK character's UTF-8 bytes, 3x an emoji's), with the
+    # rest of the body; a larger body is refused unread (413)
+    max_body_bytes: int = 4 * LIMITS.prompt_bytes
     # the build's target checkpoint: its chat template and tokenizer, for a front model that takes raw text only
     # (a --runtime trtllm build's tensorrt_llm); None: conversations go to the server, which templates them
     target_dir: str | None = None

@@ -6,10 +6,17 @@ transformers' `apply_chat_template(messages, tokenize=False, add_generation_prom
 sandboxed Jinja environment, filters, globals and special-token variables), and counts the prompt's and the
 answer's tokens with the target's tokenizer.json (the `tokenizers` package, which transformers' fast tokenizers
 run on). clients.transport calls it through the `Templater` protocol there.
+
+TensorRT-LLM tokenises that text itself with the special tokens recognised, so text is all the gateway can guard: a
+message whose content holds a special token's text (`<|im_end|>`) is refused, naming the message and the token, as
+it would become the control token there (end its turn, forge a system turn). Escaping it would send the model
+other text than the user's without saying so; the torch runtime, which tokenises itself, encodes it as ordinary
+text instead (dflash_runtime.text).
 """
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -34,6 +41,7 @@ class ChatTemplate:
         self._template = _compile(template) if template else None
         self._special_tokens = special_tokens
         self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self._special_text = _special_text(self._tokenizer)
 
     @classmethod
     def from_target_dir(cls, target_dir: str | Path) -> ChatTemplate:
@@ -58,12 +66,22 @@ class ChatTemplate:
                                                  "prompt as text"))
         import jinja2
 
+        messages = conversation(messages_json)
+        self._refuse_special_tokens(messages)
         try:
-            return self._template.render(messages=conversation(messages_json), tools=None, documents=None,
+            return self._template.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=True, **self._special_tokens)
         except jinja2.TemplateError as e:  # the template's raise_exception: it refuses this conversation
             raise InvalidRequest(invalid_request(f"messages: the chat template refused the conversation: {e}")) \
                 from None
+
+    def _refuse_special_tokens(self, messages: list[dict[str, str]]) -> None:
+        for i, message in enumerate(messages):
+            found = self._special_text.search(message["content"])
+            if found:
+                raise InvalidRequest(invalid_request(
+                    f"messages[{i}].content holds {found.group()!r}, a special token of this model: TensorRT-LLM "
+                    "would read it as that control token, not as text; remove it or write it otherwise"))
 
     def count(self, text: str, special_tokens: bool) -> int:
         """Tokens of a text, with what the tokenizer adds (a raw prompt) or without (a templated prompt, which holds
@@ -77,6 +95,14 @@ def conversation(messages_json: str) -> list[dict[str, str]]:
         return parse_messages(messages_json)
     except DFlashError as e:
         raise InvalidRequest(invalid_request(str(e))) from None
+
+
+def _special_text(tokenizer) -> re.Pattern:
+    """A pattern of the tokenizer's special tokens' text (its added tokens marked special), longest first as the
+    tokenizer matches them; one that never matches if none."""
+    texts = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}, key=len,
+                   reverse=True)
+    return re.compile("|".join(map(re.escape, texts)) or "(?!)")
 
 
 def _token_text(token) -> str:

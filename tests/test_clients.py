@@ -24,6 +24,7 @@ from clients.errors import ServerError, from_server_message
 from clients.params import prompt_inputs
 from clients.results import TextChunk, Timings
 from deploy.serve import free_port
+from dflash_contract.protocol import LIMITS
 
 STORY = "Write a short story about a robot learning to paint."
 QUESTIONS = [STORY, "Explain what a hash table is and when to use one.",
@@ -78,6 +79,35 @@ def test_prompt_forms():
         prompt_inputs([], chat=True)
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda: GenerationParams(max_tokens=LIMITS.max_tokens + 1),
+     r"^max_tokens is 262145, over the limit of 262144 tokens per request$"),
+    (lambda: GenerationParams(stop=tuple(f"w{i}" for i in range(LIMITS.stop_words + 1))),
+     r"^stop has 17 stop strings, over the limit of 16 per request$"),
+    (lambda: GenerationParams(stop=("END", "\u00e9" * 129)),
+     r"^stop\[1\] is 258 bytes \(UTF-8\), over the limit of 256 bytes per stop string$"),
+    (lambda: prompt_inputs("x" * (LIMITS.prompt_bytes + 1), chat=False),
+     r"^text_input is 1048577 bytes \(UTF-8\), over the limit of 1048576 bytes per request$"),
+    (lambda: prompt_inputs([{"role": "user", "content": "x" * LIMITS.prompt_bytes}], chat=True),
+     r"^messages is 1048609 bytes \(UTF-8\), over the limit of 1048576 bytes per request$"),
+    (lambda: prompt_inputs([{"role": "user", "content": "x"}] * (LIMITS.messages + 1), chat=True),
+     r"^messages has 2049 messages, over the limit of 2048 per request$"),
+])
+def test_size_limits_are_the_servers_and_checked_before_sending(make, message):
+    with pytest.raises(InvalidRequest, match=message):
+        make()
+
+
+def test_requests_at_the_size_limits_are_accepted_client_side():
+    GenerationParams(max_tokens=LIMITS.max_tokens, stop=("x" * LIMITS.stop_word_bytes,) * LIMITS.stop_words)
+    assert prompt_inputs("x" * LIMITS.prompt_bytes, chat=False)["text_input"]
+    assert prompt_inputs([{"role": "user", "content": "x"}] * LIMITS.messages, chat=True)["messages"]
+    # refused before any network: an unreachable server is never tried (it would raise ServerUnavailable)
+    with DFlashClient(f"127.0.0.1:{free_port()}", retry=FAST_RETRY) as client:
+        with pytest.raises(InvalidRequest, match="over the limit of 1048576 bytes"):
+            client.generate("x" * (LIMITS.prompt_bytes + 1), GenerationParams(max_tokens=8))
+
+
 @pytest.mark.parametrize("message, exception", [
     # UNAVAILABLE: capacity, shutting down, a dead engine loop, a dead engine process (Triton's words)
     ("in ensemble 'ensemble', the server is at capacity (8 running, 64 queued, queue limit 64); retry later",
@@ -91,6 +121,10 @@ def test_prompt_forms():
     ("[request id: <id_unknown>] inference input 'max_tokens' data-type is 'FP32', but model 'dflash_bls' expects "
      "'INT32'", InvalidRequest),
     ("[request id: <id_unknown>] unexpected shape for input 'max_tokens' for model 'ensemble'", InvalidRequest),
+    ("invalid request: temprature is not an input of this model (did you mean temperature?): a field that names no "
+     "input is refused, not ignored", InvalidRequest),
+    # HTTP generate: a field that names no input and is no parameter type (Triton 2.51's words)
+    ("parameter 'lst' has invalid type. It should be either 'int', 'bool', or 'string'.", InvalidRequest),
     ("request cancelled", RequestCancelled),
     # INTERNAL: ours, and any words the clients do not know (a server fault, never the caller's)
     ("internal error while decoding: RuntimeError: boom", ServerError),
@@ -280,7 +314,7 @@ def test_invalid_requests_are_refused_and_never_retried(grpc_client, http_client
     with pytest.raises(InvalidRequest, match=r"top_p must be in \(0, 1\]"):
         GenerationParams(top_p=0)
     caplog.set_level(logging.WARNING, logger="clients")
-    too_long = GenerationParams(max_tokens=2**31 - 1)  # valid alone; the server refuses it with the prompt
+    too_long = GenerationParams(max_tokens=LIMITS.max_tokens)  # valid alone; the server refuses it with the prompt
     for client in (grpc_client, http_client):
         with pytest.raises(InvalidRequest, match="exceeds the context limit"):
             client.generate(STORY, too_long)

@@ -1,11 +1,16 @@
 """The serving loop without a server: streaming chunks, cancellation, queue limit, drain, failure isolation."""
 from __future__ import annotations
 
+import re
+import struct
 import threading
+import time
 
 import pytest
 
 from conftest import PROMPTS, load_pair
+from dflash_contract.protocol import ENGINE_STOPPED_MESSAGE, error_class
+from dflash_contract.server import FAILED_STEPS_LIMIT, TEST_FAULT_ENV, StepProgress
 from dflash_runtime import SamplingParams
 from dflash_runtime.config import DFlashError
 from dflash_serving import engine_loop
@@ -162,3 +167,77 @@ def test_the_engine_is_built_on_the_loop_thread_and_load_errors_reach_the_caller
 
     with pytest.raises(DFlashError, match="no such checkpoint"):
         EngineLoop(broken)
+
+
+def test_steps_that_fail_every_time_stop_the_engine_after_the_limit(tiny, monkeypatch):
+    """A fault in every step (DFLASH_TEST_FAULT=fail-step, as a poisoned CUDA context): the first failures are
+    INTERNAL errors for the requests in flight; the FAILED_STEPS_LIMIT-th stops the loop like a dead thread."""
+    monkeypatch.setenv(TEST_FAULT_ENV, "fail-step")
+    causes = []
+    engine, loop = _loop(tiny, on_failure=causes.append)
+    params = SamplingParams(max_new_tokens=8)
+    try:
+        errors = []
+        for _ in range(FAILED_STEPS_LIMIT):  # one request at a time: each failed step fails what is in flight
+            stream = Collector()
+            loop.submit(PROMPTS[0], params, stream)
+            assert stream.done.wait(60)
+            errors.append(stream.error)
+        assert all(error_class(e) == "INTERNAL" for e in errors[:-1]), errors
+        assert ENGINE_STOPPED_MESSAGE in errors[-1] and error_class(errors[-1]) == "UNAVAILABLE", errors[-1]
+        assert not loop.alive and len(causes) == 1
+        assert causes[0].startswith(f"StepsFailing: {FAILED_STEPS_LIMIT} engine steps in a row failed")
+        with pytest.raises(engine_loop.EngineStopped):
+            loop.submit(PROMPTS[0], params, Collector())
+    finally:
+        loop.stop()
+
+
+def test_a_good_step_resets_the_count_of_failed_ones(tiny, monkeypatch):
+    engine, loop = _loop(tiny)
+    try:
+        for fault in ["fail-step"] * (FAILED_STEPS_LIMIT - 1) + [None] + ["fail-step"] * (FAILED_STEPS_LIMIT - 1):
+            loop._fault = fault  # the switch is read at start-up; here it flips between requests
+            stream = Collector()
+            loop.submit(PROMPTS[1], SamplingParams(max_new_tokens=2), stream)
+            assert stream.done.wait(60)
+        assert loop.alive
+    finally:
+        loop.stop()
+
+
+def test_the_loop_records_each_step_for_the_progress_watch(tiny, tmp_path):
+    path = tmp_path / "progress"
+    watch = StepProgress.create(path)
+    engine, loop = _loop(tiny, progress=StepProgress(path))
+    try:
+        stream = Collector()
+        loop.submit(PROMPTS[0], SamplingParams(max_new_tokens=16, ignore_eos=True), stream)
+        assert stream.done.wait(60) and stream.error is None
+        since, usual = struct.unpack(StepProgress.FORMAT, path.read_bytes())
+        assert since == 0 and 0 < usual < 60  # no step running, and a moving average of real steps
+        assert watch.hung(floor_seconds=0) is None
+        # a step that began long ago and has not returned is hung, past the floor and the usual multiple
+        StepProgress(path).started(usual_seconds=0.001)  # the limit: max(50 x 1 ms, the floor)
+        time.sleep(0.3)
+        assert watch.hung(floor_seconds=60) is None
+        assert "the engine made no progress: a step has run for" in watch.hung(floor_seconds=0.1)
+    finally:
+        loop.stop()
+
+
+def test_a_request_that_waits_too_long_for_a_slot_is_refused_as_at_capacity(tiny):
+    engine, loop = _loop(tiny, max_queue_seconds=0.5)  # 2 slots
+    try:
+        long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+        running = [Collector() for _ in range(2)]
+        for stream in running:
+            loop.submit(PROMPTS[0], long, stream)
+        waiting = Collector()
+        loop.submit(PROMPTS[1], SamplingParams(max_new_tokens=4), waiting)
+        assert waiting.done.wait(60)
+        assert error_class(waiting.error) == "UNAVAILABLE", waiting.error
+        assert re.search(r"waited \d+ s for a slot, the limit is 0.5 s\); retry later", waiting.error), waiting.error
+        assert all(s.done.wait(120) and s.error is None for s in running)  # those that had a slot finish
+    finally:
+        loop.stop()

@@ -25,8 +25,8 @@ import pytest
 from clients import AsyncDFlashClient, GenerationParams, RetryPolicy, ServerUnavailable
 from deploy.serve import TritonServer, _proc_stat, backend_processes, free_port, supervise
 from dflash_contract.protocol import CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE, error_class
-from dflash_contract.server import (FAILURE_FILE_ENV, METRICS_PATH, PORTS, READY_PATH, UNHEALTHY_EXIT_CODE,
-                                    report_engine_failure)
+from dflash_contract.server import (EXIT_TIMEOUT_S, FAILURE_FILE_ENV, METRICS_PATH, PORTS, READY_PATH, TEST_FAULT_ENV,
+                                    UNHEALTHY_EXIT_CODE, report_engine_failure)
 from test_serving import Stream, metric, wait_for_metric
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,15 +38,15 @@ HEALTH_BOUND_S = 10  # the issue's bound: unhealthy, and dflash-serve gone, with
 class Launched:
     """dflash-serve in a process of its own, on free ports, as a container entrypoint runs it."""
 
-    def __init__(self, repository: Path, log: Path):
+    def __init__(self, repository: Path, log: Path, *args: str, env: dict | None = None):
         self.repository, self.log = repository, log
         self.ports = {name: free_port() for name in PORTS}
         started = time.monotonic()
         with open(log, "a") as err:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "deploy.serve", str(repository), "--ready-timeout", "300",
-                 *(f"--{name}-port={port}" for name, port in self.ports.items())],
-                cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+                 *(f"--{name}-port={port}" for name, port in self.ports.items()), *args],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})})
         ready = self.process.stdout.readline()  # "ready: ..." once serving; "" if it exited
         assert ready.startswith("ready:"), log.read_text()[-3000:]
         self.ready_seconds = time.monotonic() - started
@@ -199,6 +199,71 @@ def test_a_killed_engine_process_takes_the_server_down_and_a_restart_serves_agai
     print(f"\nengine process killed: not ready after {unready:.2f} s, dflash-serve exited "
           f"({UNHEALTHY_EXIT_CODE}) after {exited:.2f} s; restarted and ready in {restarted.ready_seconds:.1f} s; "
           f"serving again {serving:.1f} s after the kill")
+
+
+def test_a_hung_engine_step_is_detected_and_dflash_serve_exits_3_within_the_bound(small_build, tmp_path):
+    """A step that never returns (DFLASH_TEST_FAULT=hang-step): the process lives and Triton stays ready, so
+    only the progress watch can tell; with --hang-seconds 5 it must act within 5 s + the health bound."""
+    hang_seconds = 5
+    server = Launched(small_build, tmp_path / "dflash-serve.log", f"--hang-seconds={hang_seconds}",
+                      env={TEST_FAULT_ENV: "hang-step"})
+    try:
+        stream = Stream(server.grpc_url)
+        sent = time.monotonic()
+        stream.send("dflash_bls", text_input="Hi", max_tokens=8, stream=True)
+        code = server.process.wait(hang_seconds + HEALTH_BOUND_S + 30)
+        exited = time.monotonic() - sent
+        _, error = stream.collect(timeout=30)
+        stream.close()
+    finally:
+        server.stop()
+    assert code == UNHEALTHY_EXIT_CODE, (code, server.log.read_text()[-2000:])
+    assert exited < hang_seconds + HEALTH_BOUND_S, exited
+    assert "the engine made no progress" in server.log.read_text()
+    # the stream in flight ends with the cause, as retryable elsewhere
+    assert error is not None and "made no progress" in error and error_class(error) == "UNAVAILABLE", error
+    _assert_nothing_left(server)
+    print(f"\nhung step: dflash-serve exited ({UNHEALTHY_EXIT_CODE}) {exited:.1f} s after the request "
+          f"(--hang-seconds {hang_seconds})")
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses with a socket listening on `port` (/proc/net/tcp and tcp6; an IPv4-mapped one as IPv4)."""
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if int(hex_port, 16) != port or state != "0A":  # 0A: TCP_LISTEN
+                continue
+            raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+            text = socket.inet_ntop(family, raw)
+            found.add(text.removeprefix("::ffff:"))
+    return found
+
+
+def test_sigterm_after_a_dropped_http_stream_exits_promptly_on_the_address_asked_for(small_build, tmp_path):
+    """--host 127.0.0.1 binds every port there; a client that drops its HTTP stream leaves nothing that holds up
+    shutdown: SIGTERM ends well inside tritonserver's exit timeout, saying what it does."""
+    server = Launched(small_build, tmp_path / "dflash-serve.log", "--host=127.0.0.1")
+    try:
+        for name, port in server.ports.items():
+            assert _listening_addresses(port) == {"127.0.0.1"}, (name, _listening_addresses(port))
+        _close_an_http_stream_mid_stream(server)
+        assert wait_for_metric(server, "dflash_active_sequences", 0, timeout=5)
+        asked = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(120)
+        stopped = time.monotonic() - asked
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert code == 0 and "Exit timeout expired" not in log, log[-3000:]
+    assert stopped < EXIT_TIMEOUT_S, stopped  # tritonserver did not wait out its exit timeout
+    assert "dflash-serve: draining: new requests are refused" in log and "dflash-serve: no request left after" in log
+    assert "dflash-serve: stopped (tritonserver exit code 0)" in log
+    _assert_nothing_left(server)
+    print(f"\nSIGTERM after a dropped HTTP stream: dflash-serve exited in {stopped:.1f} s")
 
 
 def test_a_killed_tritonserver_makes_dflash_serve_exit_non_zero_and_leaves_no_process(served):

@@ -13,6 +13,7 @@ import pytest
 
 from clients import DFlashClient, GenerationParams
 from deploy.serve import start_gateway
+from dflash_contract.protocol import LIMITS
 from dflash_runtime.text import encode_prompt, load_tokenizer
 from test_serving import metric, wait_for_metric
 
@@ -223,3 +224,61 @@ def test_eight_concurrent_streams_give_the_texts_of_eight_solo_runs(client, defa
             return await asyncio.gather(*(one(q) for q in QUESTIONS))
 
     assert dict(zip(QUESTIONS, asyncio.run(together()))) == solo
+
+
+# -- size limits (dflash_contract.protocol.LIMITS), refused by the gateway itself: no server behind it -------------
+@pytest.fixture(scope="module")
+def serverless():
+    """The gateway's app on a tritonserver address where none listens: whatever reaches the server fails as 503."""
+    from fastapi.testclient import TestClient
+
+    from deploy.serve import free_port
+    from gateway.app import Settings, create_app
+
+    with TestClient(create_app(Settings(f"127.0.0.1:{free_port()}", MODEL))) as c:
+        yield c
+
+
+LIMITED = {  # path, body fields -> (param, message)
+    "prompt bytes": ("/v1/completions", dict(prompt="x" * (LIMITS.prompt_bytes + 1)), "prompt",
+                     "prompt is 1048577 bytes (UTF-8), over the limit of 1048576 bytes per request"),
+    "messages bytes": ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x" * LIMITS.prompt_bytes}]),
+                       "messages", "messages is 1048609 bytes (UTF-8), over the limit of 1048576 bytes per request"),
+    "messages": ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}] * (LIMITS.messages + 1)),
+                 "messages", "messages has 2049 messages, over the limit of 2048 per request"),
+    "stop words": ("/v1/chat/completions", dict(stop=[f"w{i}" for i in range(LIMITS.stop_words + 1)]), "stop",
+                   "stop has 17 stop strings, over the limit of 16 per request"),
+    "stop word bytes": ("/v1/completions", dict(stop=["x" * (LIMITS.stop_word_bytes + 1)]), "stop",
+                        "stop[0] is 257 bytes (UTF-8), over the limit of 256 bytes per stop string"),
+    "max_completion_tokens": ("/v1/chat/completions", dict(max_completion_tokens=LIMITS.max_tokens + 1),
+                              "max_completion_tokens",
+                              "max_completion_tokens is 262145, over the limit of 262144 tokens per request"),
+    "max_tokens": ("/v1/completions", dict(max_tokens=LIMITS.max_tokens + 1), "max_tokens",
+                   "max_tokens is 262145, over the limit of 262144 tokens per request"),
+}
+
+
+@pytest.mark.parametrize("case", LIMITED, ids=list(LIMITED))
+def test_size_limits_are_refused_by_the_gateway_naming_the_field(serverless, case):
+    path, fields, param, message = LIMITED[case]
+    prompt = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": CONVERSATION[1:2]}
+    reply = serverless.post(path, json={"model": MODEL, **prompt, **fields})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                     "code": "invalid_value"}
+
+
+def test_requests_at_the_size_limits_pass_the_gateways_checks(serverless):
+    # the largest prompt, JSON-escaped as the OpenAI SDK sends it (\uXXXX: 6 bytes a 3-byte character), fits the body
+    # limit (413) and passes the checks: it reaches the (absent) server, hence 503
+    prompt = "\u65e5" * (LIMITS.prompt_bytes // 3)
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": LIMITS.max_tokens,
+                       "stop": ["x" * LIMITS.stop_word_bytes] * LIMITS.stop_words})
+    assert len(body) > 2 * LIMITS.prompt_bytes
+    assert serverless.post("/v1/completions", content=body).status_code == 503
+    over = serverless.post("/v1/completions", json={"model": MODEL, "prompt": prompt + "xx"})  # 2 bytes more
+    assert over.status_code == 400 and over.json()["error"]["message"].startswith("prompt is 1048577 bytes")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * LIMITS.messages}
+    assert serverless.post("/v1/chat/completions", json=chat).status_code == 503
+    # over the body limit: refused unread
+    assert serverless.post("/v1/completions", content=b" " * (4 * LIMITS.prompt_bytes + 1)).status_code == 413

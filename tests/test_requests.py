@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from dflash_contract import DFlashError
+from dflash_contract.protocol import LIMITS
 from dflash_serving.requests import is_stop_request, parse_engine_request, parse_front_request
 
 
@@ -121,3 +122,58 @@ def test_a_conversation_becomes_messages_in_the_chat_template():
 def test_bad_front_requests_are_refused_with_the_field_named(inputs, message):
     with pytest.raises(DFlashError, match=message):
         parse_front_request(tensors(**inputs))
+
+
+# -- request parameters (an HTTP generate body's fields that name no input) and size limits --------------------
+def test_request_parameters_that_are_not_tritons_own_are_refused_naming_the_field():
+    hi = tensors(text_input=[[b"Hi"]], max_tokens=[[4]])
+    with pytest.raises(DFlashError, match=r"^temprature is not an input of this model \(did you mean temperature\?\)"):
+        parse_front_request(hi, '{"temprature": 0.5}')
+    # an input's name sent as a parameter (a generate body's "parameters" object, gRPC parameters) is not read either
+    with pytest.raises(DFlashError, match=r"^temperature came as a request parameter, which this model does not read"):
+        parse_front_request(hi, '{"temperature": 0.5}')
+    # names only, never a value (a client may put a secret in a misspelt field)
+    with pytest.raises(DFlashError, match=r"^api_keey is not an input .*\(other fields refused: x\)$") as refused:
+        parse_front_request(hi, '{"api_keey": "sk-secret", "x": 1}')
+    assert "sk-secret" not in str(refused.value)
+    # Triton's own: the generate extension's id, its reserved names, triton_*; and none at all
+    assert parse_front_request(hi, '{"id": "r1", "priority": 0, "triton_enable_empty_final_response": true}') \
+        == ("Hi", False)
+    assert parse_front_request(hi, "{}") == parse_front_request(hi) == ("Hi", False)
+
+
+@pytest.mark.parametrize("inputs, message", [
+    (dict(text_input=[[b"x" * (LIMITS.prompt_bytes + 1)]], max_tokens=[[4]]),
+     r"^text_input is 1048577 bytes \(UTF-8\), over the limit of 1048576 bytes per request$"),
+    (dict(text_input=[["\u00e9".encode() * (LIMITS.prompt_bytes // 2 + 1)]], max_tokens=[[4]]),  # bytes, not characters
+     r"^text_input is 1048578 bytes"),
+    (dict(messages=[[json.dumps([{"role": "user", "content": "x" * LIMITS.prompt_bytes}]).encode()]], max_tokens=[[4]]),
+     r"^messages is 1048609 bytes \(UTF-8\), over the limit of 1048576 bytes per request$"),
+    (dict(messages=[[json.dumps([{"role": "user", "content": "x"}] * (LIMITS.messages + 1)).encode()]],
+          max_tokens=[[4]]), r"^messages has 2049 messages, over the limit of 2048 per request$"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], stop_words=[[b"w%d" % i for i in range(LIMITS.stop_words + 1)]]),
+     r"^stop_words has 17 stop strings, over the limit of 16 per request$"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], stop_words=[[b"END", b"x" * (LIMITS.stop_word_bytes + 1)]]),
+     r"^stop_words\[1\] is 257 bytes \(UTF-8\), over the limit of 256 bytes per stop string$"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[LIMITS.max_tokens + 1]]),
+     r"^max_tokens is 262145, over the limit of 262144 tokens per request$"),
+])
+def test_requests_over_a_size_limit_are_refused_naming_it(inputs, message):
+    with pytest.raises(DFlashError, match=message):
+        parse_front_request(tensors(**inputs))
+
+
+def test_requests_at_the_size_limits_are_accepted():
+    at_limit = dict(max_tokens=[[LIMITS.max_tokens]],
+                    stop_words=[[b"x" * LIMITS.stop_word_bytes] + [b"w%d" % i for i in range(LIMITS.stop_words - 1)]])
+    text = "\u00e9" * (LIMITS.prompt_bytes // 2)  # 2 bytes each: exactly the limit
+    assert parse_front_request(tensors(text_input=[[text.encode()]], **at_limit)) == (text, False)
+    conversation = [{"role": "user", "content": "x"}] * LIMITS.messages
+    assert parse_front_request(tensors(messages=[[json.dumps(conversation).encode()]], **at_limit))[0] == conversation
+    # the engine model's own parser keeps the same limits
+    ids, params, _ = parse_engine_request(tensors(input_ids=[[1]], **at_limit))
+    assert params.max_new_tokens == LIMITS.max_tokens and len(params.stop_strings) == LIMITS.stop_words
+    for inputs in (dict(max_tokens=[[LIMITS.max_tokens + 1]]),
+                   dict(max_tokens=[[4]], stop_words=[[b"w%d" % i for i in range(LIMITS.stop_words + 1)]])):
+        with pytest.raises(DFlashError, match="over the limit of"):
+            parse_engine_request(tensors(input_ids=[[1]], **inputs))

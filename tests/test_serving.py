@@ -22,7 +22,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from deploy.serve import start_server
-from dflash_contract.protocol import error_class
+from dflash_contract.protocol import LIMITS, error_class
 from dflash_runtime import SamplingParams
 from dflash_runtime.pipeline import load_pipeline
 
@@ -282,6 +282,20 @@ BAD_REQUESTS = {
     "wrong shape": (dict(text_input="Hi", max_tokens=np.array([[8, 9]], dtype=np.int32)),
                     "unexpected shape for input 'max_tokens'"),
     "unknown input": (dict(text_input="Hi", max_tokens=8, temperture=0.5), "unexpected inference input 'temperture'"),
+    # the size limits (dflash_contract.protocol.LIMITS)
+    "prompt over the byte limit": (dict(text_input="x" * (LIMITS.prompt_bytes + 1), max_tokens=8),
+                                   "invalid request: text_input is 1048577 bytes (UTF-8), over the limit of 1048576 "
+                                   "bytes per request"),
+    "too many messages": (dict(messages=json.dumps([{"role": "user", "content": "Hi"}] * (LIMITS.messages + 1)),
+                               max_tokens=8), "invalid request: messages has 2049 messages, over the limit of 2048"),
+    "too many stop words": (dict(text_input="Hi", max_tokens=8, stop_words=np.array(
+        [[f"w{i}" for i in range(LIMITS.stop_words + 1)]], dtype=object)),
+        "invalid request: stop_words has 17 stop strings, over the limit of 16 per request"),
+    "a stop word too long": (dict(text_input="Hi", max_tokens=8, stop_words=np.array(
+        [["x" * (LIMITS.stop_word_bytes + 1)]], dtype=object)),
+        "invalid request: stop_words[0] is 257 bytes (UTF-8), over the limit of 256 bytes per stop string"),
+    "max_tokens over the size limit": (dict(text_input="Hi", max_tokens=LIMITS.max_tokens + 1),
+                                       "invalid request: max_tokens is 262145, over the limit of 262144 tokens"),
 }
 
 
@@ -308,6 +322,55 @@ def test_malformed_requests_get_the_same_invalid_argument_error_from_both_front_
             for model, m in messages.items()}
     assert len(same) == 1, messages
     assert streamed_text(default_server.grpc_url, "Hi", 2)[0]  # still serving
+
+
+def http_answer(reply) -> tuple[list[dict], str | None]:
+    """(the answers, the error or None) of an HTTP generate / generate_stream reply (one JSON body, or events)."""
+    bodies = [json.loads(line[len("data: "):]) for line in reply.text.splitlines() if line.startswith("data: ")] \
+        if reply.headers.get("content-type", "").startswith("text/event-stream") else [reply.json()]
+    errors = [b["error"] for b in bodies if "error" in b]
+    return [b for b in bodies if "error" not in b], errors[0] if errors else None
+
+
+def test_http_fields_that_name_no_input_are_refused_naming_them(default_server):
+    """Triton passes a generate body's field that names no input to the model as a request parameter, where it
+    used to be ignored (a misspelt temperature answered greedily): both front models refuse it, naming it."""
+    body = {"text_input": "Hi", "max_tokens": 4}
+    misspelt = "temprature is not an input of this model (did you mean temperature?)"
+    messages = {}
+    for model in FRONT_MODELS:
+        url = f"http://{default_server.http_url}/v2/models/{model}"
+        for endpoint, extra, words in [
+                ("generate", {"temprature": 0.5}, misspelt),
+                ("generate_stream", {"stream": True, "temprature": 0.5}, misspelt),
+                # a "parameters" object's members that name an input are inputs (Triton 2.51), the others not
+                ("generate", {"parameters": {"temprature": 0.5, "top_k": 1}}, misspelt),
+                ("generate_stream", {"stream": True, "temp": 0.5, "api_keey": "sk-secret"},
+                 "api_keey is not an input of this model")]:
+            answers, error = http_answer(requests.post(f"{url}/{endpoint}", json={**body, **extra}, timeout=120))
+            assert error is not None and words in error and error_class(error) == "INVALID_ARG", (model, endpoint, error)
+            assert not answers and "sk-secret" not in error
+            messages.setdefault(endpoint + json.dumps(extra), set()).add(
+                re.sub(r"^in ensemble 'ensemble', ", "", error))
+        # spelt right, with Triton's own "id": served; "stream": true streams in several events, without it one
+        answers, error = http_answer(requests.post(f"{url}/generate_stream", json={**body, "max_tokens": 12,
+                                                                                   "stream": True, "id": "r1"},
+                                                   timeout=120))
+        assert error is None and len(answers) > 2 and answers[-1]["finish_reason"] == "length", (model, answers)
+        answers, error = http_answer(requests.post(f"{url}/generate_stream", json=body, timeout=120))
+        assert error is None and len(answers) == 1 and answers[0]["text_output"]
+        # gRPC carries request parameters too: the same rule; there an input's name is no input either
+        for parameters, words in [({"temprature": 0.5}, misspelt),
+                                  ({"temperature": 0.5}, "temperature came as a request parameter")]:
+            stream = Stream(default_server.grpc_url)
+            try:
+                stream.client.async_stream_infer(model, inputs(**body), parameters=parameters,
+                                                 enable_empty_final_response=True)
+                _, error = stream.collect()
+            finally:
+                stream.close()
+            assert error is not None and words in error and error_class(error) == "INVALID_ARG", (model, error)
+    assert all(len(same) == 1 for same in messages.values()), messages  # the same words from both front models
 
 
 def test_unknown_model_name_is_an_error(default_server):

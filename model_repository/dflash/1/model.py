@@ -17,7 +17,7 @@ from dflash_contract import DFlashError
 from dflash_contract.presets import parse_block_size
 from dflash_contract.protocol import (FINISH_REASON, STATISTICS, config_type, error_class, invalid_request,
                                       response_statistics)
-from dflash_contract.server import drain_signal, drained_path, report_engine_failure
+from dflash_contract.server import drain_signal, drained_path, progress_signal, queue_timeout, report_engine_failure
 from dflash_contract.versions import version_warning
 from dflash_runtime.pipeline import load_pipeline
 from dflash_runtime.verify_length import StepCosts
@@ -52,7 +52,8 @@ class TritonPythonModel:
 
         reports = queue.SimpleQueue()
         self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put,
-                               on_failure=self._engine_failed)
+                               on_failure=self._engine_failed, progress=progress_signal(),
+                               max_queue_seconds=queue_timeout())
         engine = self.loop.engine
         graphs = str(engine.graphs.report) if engine.graphs.capture else "no CUDA graphs"
         pb_utils.Logger.log_info(f"dflash: engine ready on {engine.device}, max batch {engine.scheduler.num_slots}, "
@@ -136,6 +137,13 @@ class TritonStream:
 
     def fail(self, message, code=None):
         self._forget()
+        if self.stopped:
+            # a `stop` request ended it (tensorrtllm_backend's protocol): close the stream with a bare final flag.
+            # An error response here never reached dflash_bls's BLS iterator once its own client had dropped an
+            # HTTP stream (Triton 2.51, measured): its thread waited on, dflash_bls could not unload, and SIGTERM
+            # then waited out tritonserver's exit timeout
+            self.sender.send(flags=FINAL)
+            return
         # the loop's failures (cancelled, shutting down, engine stopped, internal) say their class in words
         code = code if code is not None else getattr(pb_utils.TritonError, error_class(message))
         error = pb_utils.TritonError(message, code)

@@ -12,8 +12,9 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dflash_contract.protocol import (ENGINE_INPUTS, ENGINE_STOPPED_MESSAGE, FINISH_REASON, FRONT_INPUTS,
-                                      INTERNAL_ERROR_PREFIX, STATISTICS, TOKEN_OUTPUTS, error_class)
+from dflash_contract.protocol import (CANCELLED_MESSAGE, ENGINE_INPUTS, ENGINE_STOPPED_MESSAGE, FINISH_REASON,
+                                      FRONT_INPUTS, INTERNAL_ERROR_PREFIX, STATISTICS, TOKEN_OUTPUTS, error_class,
+                                      invalid_request, parameters_error)
 from dflash_contract.server import failure_signal
 
 RESPONSE_OUTPUTS = (FINISH_REASON, *(s.tensor for s in STATISTICS))  # passed on to the client as they are
@@ -70,6 +71,9 @@ class ClientStream:
                 return
             self.ended = True
             try:
+                if self._sender.is_cancelled():  # nobody reads an error: only close the stream
+                    self._sender.send(flags=FINAL)
+                    return
                 self._sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
             except Exception as e:  # the client is gone: nobody left to tell
                 pb_utils.Logger.log_warn(f"dflash_bls: could not send the final error ({e})")
@@ -109,6 +113,11 @@ def _serve(request, in_flight):
 
 def _generate(request, client):
     """Stream (or collect) the answer to the client; returns the error to send instead, or None."""
+    # the request's parameters first, as preprocessing does for the ensemble (the call below passes none on):
+    # over HTTP generate, a body field that names no input comes as one, and would be ignored
+    unread = parameters_error(request.parameters())
+    if unread:
+        return pb_utils.TritonError(invalid_request(unread), pb_utils.TritonError.INVALID_ARG)
     # all inputs: preprocessing checks every one before the engine sees the request
     prompt = _call("preprocessing", _inputs(request, FRONT_INPUTS), ["input_ids"])
     if prompt.has_error():
@@ -130,6 +139,8 @@ def _generate(request, client):
             if not stopped and client.is_cancelled():
                 _stop(request_id)
                 stopped = True
+            if stopped:  # until the engine's final flag: nothing more for a client that is gone
+                continue
             if response.has_error():
                 return response.error()
             if not response.output_tensors():  # an empty final flag
@@ -151,6 +162,8 @@ def _generate(request, client):
         if not stopped:
             _stop(request_id)
         raise
+    if stopped:
+        return pb_utils.TritonError(CANCELLED_MESSAGE, pb_utils.TritonError.CANCELLED)
     if last is None:
         return pb_utils.TritonError("dflash ended the stream without an answer")
     if not streaming:

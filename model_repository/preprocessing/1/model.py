@@ -2,7 +2,9 @@
 
 It is the first step of both front models (the ensemble's, and dflash_bls's first call), and it gets
 all their inputs: one set of checks (dflash_serving.requests) refuses malformed requests with the
-same message wherever they come in, before anything reaches the engine.
+same message wherever they come in, before anything reaches the engine. Through the ensemble it gets the
+client's request parameters too (Triton 2.51 passes them to the steps: measured), where an HTTP generate
+body's misspelt field arrives; dflash_bls checks its own (a BLS call passes none on).
 """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -30,7 +32,8 @@ class TritonPythonModel:
             return None if value is None else value.as_numpy()
 
         try:
-            prompt, chat = parse_front_request(tensor)
+            # the request's parameters too: over HTTP generate, the body's fields that name no input
+            prompt, chat = parse_front_request(tensor, request.parameters())
             try:
                 ids = encode_prompt(self.tokenizer, prompt, chat=chat)
             except DFlashError as e:
