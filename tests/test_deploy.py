@@ -527,9 +527,13 @@ def test_the_build_job_downloads_what_the_preset_needs(rendered):
         assert int(gpus) == r.values["server"]["gpus"], name
 
 
+def build_job(sets: list[str]) -> dict:
+    """The build Job the chart renders for the defaults with these --set expressions."""
+    return next(o for o in manifests(render(user_values([], sets))) if o["kind"] == "Job")
+
+
 def test_the_hf_token_is_a_mounted_file(rendered):
-    objects = manifests(render(user_values([], [f"image.digest={DIGEST}", "build.hfTokenSecret=hf-token"])))
-    pod = next(o for o in objects if o["kind"] == "Job")["spec"]["template"]["spec"]
+    pod = build_job([f"image.digest={DIGEST}", "build.hfTokenSecret=hf-token"])["spec"]["template"]["spec"]
     assert {"name": "hf-token", "secret": {"secretName": "hf-token", "defaultMode": 0o440,
                                            "items": [{"key": "token", "path": "token"}]}} in pod["volumes"]
     for download in pod["initContainers"]:
@@ -538,8 +542,7 @@ def test_the_hf_token_is_a_mounted_file(rendered):
 
 
 def _job(sets: list[str]) -> str:
-    objects = manifests(render(user_values([], sets)))
-    return next(o for o in objects if o["kind"] == "Job")["metadata"]["name"]
+    return build_job(sets)["metadata"]["name"]
 
 
 def test_a_changed_build_job_is_a_new_job():
@@ -577,9 +580,8 @@ def test_the_builder_accepts_every_build_jobs_command(rendered, tmp_path):
 
 def test_the_builders_check_is_not_vacuous(tmp_path):
     """A command the chart lets through (the builder's KV-cache rule is its own) is still refused by --check."""
-    objects = manifests(render(user_values([], ["server.gpuType=a100", "build.args={--runtime,trtllm,--kv-cache,fp8}",
-                                                "model.preset=qwen3-8b"])))
-    command = next(o for o in objects if o["kind"] == "Job")["spec"]["template"]["spec"]["containers"][0]["command"]
+    job = build_job(["server.gpuType=a100", "build.args={--runtime,trtllm,--kv-cache,fp8}", "model.preset=qwen3-8b"])
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
     proc = _check_build(command, tmp_path)
     assert proc.returncode == 2 and "--kv-cache fp8 needs --quant" in proc.stderr
 
