@@ -5,7 +5,7 @@ PIP := $(PY) -m pip -q
 PROMPT ?= Explain in three sentences why the sky is blue.
 BUILD ?= builds/smollm2-135m
 
-.PHONY: install demo test soak bench genai-perf gpu-check gpu-rehearsal image-rehearsal drafter-data train-drafter clean
+.PHONY: install demo test soak overload bench genai-perf gpu-check gpu-rehearsal image-rehearsal drafter-data train-drafter clean
 
 install: $(VENV)/.installed
 
@@ -46,6 +46,12 @@ test: install
 # nothing lost or different, server RSS and the KV cache back to where they were; figures on stdout.
 soak: install
 	DFLASH_SOAK_REQUESTS=1000 $(PY) -m pytest -s -q -m soak tests/test_soak.py
+
+# 64 concurrent streams against 8 slots and a queue of 16, over gRPC and over the OpenAI-compatible API (the suite
+# runs one burst per door): 10 bursts of 32 tokens per door; nothing lost or different, memory back at its baseline;
+# time to first token p50/p99, refusal time and tokens/s on stdout.
+overload: install
+	DFLASH_OVERLOAD_ROUNDS=10 DFLASH_OVERLOAD_TOKENS=32 $(PY) -m pytest -s -q tests/test_overload.py
 
 bench: install
 	$(VENV)/bin/dflash-bench --prompts chat humaneval sharegpt --block-size auto 8 --num-prompts 4 --max-new-tokens 128

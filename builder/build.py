@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from builder.options import BuildOptions, build_parser, check_options, options_from_args
+from builder.options import BuildOptions, build_parser, check_options, option_notes, options_from_args
 from builder.render import TORCH_MODELS, render_repository
 from dflash_contract import DFlashError
 from dflash_contract.layout import (DRAFTER_DIR, MANIFEST_FILE, REPOSITORY_DIR, TARGET_DIR, TRTLLM_OPTIONS_FILE,
@@ -58,6 +58,8 @@ def resolve_inputs(opts: BuildOptions) -> Inputs:
     else:
         drafter_dir = resolve_checkpoint(drafter_ref)
     target_config = TargetConfig.from_dir(target_dir)
+    if opts.max_context is not None:
+        target_config.check_max_context(opts.max_context)
     block_size = opts.block_size
     drafter_config = None
     if drafter_dir is not None:
@@ -370,10 +372,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise DFlashError("with --train-drafter the trainer sets the block size: "
                                   "--train-drafter='--block-size N ...'")
             training = drafter_training_args(args.target, args.train_drafter)
+        check_options(opts)
+        for note in option_notes(opts):
+            print(f"build.py: note: {note}", file=sys.stderr)
         if args.check:  # the device is the build machine's, not this one's: left as given
-            check_options(opts)
             print(f"check: ok: {checked_flags(opts)}")
             return 0
+        if output.exists() and not output.is_dir():
+            raise DFlashError(f"--output {output} is a file; a build is written to a folder: name a new one or an "
+                              "existing build")
         opts = resolve_device_options(opts)
         if training is not None:
             # everything but the drafter is checked before hours of training

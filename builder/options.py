@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_contract import DFlashError
+from dflash_contract.cli import ArgumentParser
 from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, PRESETS, block_size_argument, preset_table
 
 RUNTIMES = ("torch", "trtllm")
@@ -69,10 +70,14 @@ def check_options(opts: BuildOptions) -> None:
     check_quant_formats(opts.quant, opts.kv_cache)
     if opts.kv_cache == "fp8" and opts.quant == "none":
         raise DFlashError("--kv-cache fp8 needs --quant fp8 or nvfp4 (the KV scales are calibrated with the weights)")
-    if opts.max_batch_size < 1 or opts.max_queue_size < 0 or opts.calib_samples < 1:
-        raise DFlashError("--max-batch-size and --calib-samples must be >= 1, --max-queue-size >= 0")
-    if opts.tensor_parallel_size < 1 or opts.pipeline_parallel_size < 1:
-        raise DFlashError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
+    for flag, value, least in (("--max-batch-size", opts.max_batch_size, 1),
+                               ("--max-queue-size", opts.max_queue_size, 0),
+                               ("--calib-samples", opts.calib_samples, 1), ("--sanity-tokens", opts.sanity_tokens, 0),
+                               ("--max-context", 2 if opts.max_context is None else opts.max_context, 2),
+                               ("--tensor-parallel-size", opts.tensor_parallel_size, 1),
+                               ("--pipeline-parallel-size", opts.pipeline_parallel_size, 1)):
+        if value < least:
+            raise DFlashError(f"{flag} must be >= {least}, got {value}")
     if opts.runtime == "trtllm":
         from builder.trtllm import check_gpu_support, resolve_gpu
 
@@ -81,10 +86,24 @@ def check_options(opts: BuildOptions) -> None:
         check_gpu_support(resolve_gpu(opts.gpu), opts.quant, "fp8" if opts.kv_cache == "fp8" else "auto")
     elif (opts.tensor_parallel_size, opts.pipeline_parallel_size) != (1, 1):
         raise DFlashError("tensor/pipeline parallelism needs --runtime trtllm (the torch runtime runs on one device)")
+    elif opts.gpu is not None:
+        from builder.trtllm import resolve_gpu
+
+        resolve_gpu(opts.gpu)  # a misspelt GPU is refused whatever the runtime
+
+
+def option_notes(opts: BuildOptions) -> list[str]:
+    """What a user may expect of the flags that they do not do: said before the work, not refused (the Helm
+    chart passes --gpu from server.gpuType to every build)."""
+    if opts.gpu is not None and opts.runtime != "trtllm":
+        dequantized = "" if opts.quant == "none" else f", dequantizing --quant {opts.quant} on load"
+        return [f"--gpu {opts.gpu} matters only to --runtime trtllm, whose kernels differ per GPU; the torch runtime "
+                f"runs on any device (--device picks it){dequantized}"]
+    return []
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="build.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=BUILD_DESCRIPTION,
@@ -107,26 +126,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
                         help="torch: this project's engine (CPU/CUDA) behind Triton's Python backend; trtllm: "
                              "TensorRT-LLM >= 1.3 PyTorch backend, LLM-API options (no trtllm-build: no DFlash there)")
-    parser.add_argument("--gpu", help="trtllm: serving GPU (a100, l40s, h100, h200, b200, ...); checks the "
-                                      "quantization")
+    parser.add_argument("--gpu", help="trtllm: serving GPU (a100, l40s, h100, h200, b200, ...; another by its compute "
+                                      "capability: sm90); checks the quantization")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="trtllm: GPUs per pipeline stage")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="trtllm: pipeline stages")
     parser.add_argument("--quant", default="none", choices=QUANT_FORMATS, help="ModelOpt quantization of the target")
     parser.add_argument("--kv-cache", default="none", choices=KV_CACHE_FORMATS,
                         help="KV-cache quantization (with --quant)")
-    parser.add_argument("--calib-samples", type=int, default=128, help="ShareGPT calibration prompts for --quant")
+    parser.add_argument("--calib-samples", type=int, default=128,
+                        help="ShareGPT calibration prompts for --quant (default: 128)")
     parser.add_argument("--block-size", type=block_size_argument, default=AUTO_BLOCK_SIZE,
                         help=f"{AUTO_BLOCK_SIZE!r} (default): the engine picks each step's verify length up to the "
                              "drafter's block, from a profile of step times the sanity run records; a number fixes it")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (KV-cache slots)")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="sequences decoded together (KV-cache slots; default: 8)")
     parser.add_argument("--max-context", type=int, help="context limit in tokens (default: the preset's, else 2048)")
-    parser.add_argument("--max-queue-size", type=int, default=64, help="requests that may wait for a slot")
+    parser.add_argument("--max-queue-size", type=int, default=64,
+                        help="requests that may wait for a slot (default: 64)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="torch runtime dtype; auto (default): bfloat16 on CUDA, float32 on a CPU")
     parser.add_argument("--device", default="auto",
                         help="device of the torch runtime, the quantization's calibration and the sanity run: auto "
                              "(default: CUDA when torch sees a GPU), cpu, cuda, cuda:N")
-    parser.add_argument("--sanity-tokens", type=int, default=32, help="tokens per sanity prompt; 0 skips the run")
+    parser.add_argument("--sanity-tokens", type=int, default=32,
+                        help="tokens per sanity prompt; 0 skips the run (default: 32)")
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
     only = parser.add_mutually_exclusive_group()  # --dry-run reads the checkpoints, --check must not
     only.add_argument("--dry-run", action="store_true", help="print the plan and exit")

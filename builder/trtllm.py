@@ -19,6 +19,7 @@ GPU runtimes.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,17 +86,22 @@ DFLASH_ATTENTION_BACKEND_SMS = {"VANILLA": None, "TRTLLM": (100, 103)}
 
 
 def resolve_gpu(gpu: str | None = None, sm: int | None = None) -> Gpu:
-    """A GPU from its name (`--gpu h100`) or its compute capability (`--sm 90`)."""
+    """A GPU from its name (`--gpu h100`), its compute capability as a name (`--gpu sm90`) or as a number."""
     if (gpu is None) == (sm is None):
-        raise DFlashError("name the GPU either by --gpu (" + ", ".join(GPUS) + ") or by --sm (e.g. 90), not both")
+        raise DFlashError("name the GPU either by its name (" + ", ".join(GPUS) + ") or by its compute "
+                          "capability (e.g. 90), not both")
     if gpu is not None:
         key = gpu.lower()
-        if key not in GPUS:
-            raise DFlashError(f"unknown GPU {gpu!r}: known are {', '.join(GPUS)}; "
-                              "for another GPU pass --sm <compute capability>")
-        return GPUS[key]
+        if key in GPUS:
+            return GPUS[key]
+        capability = re.fullmatch(r"sm_?(\d+)", key)
+        if capability is None:
+            raise DFlashError(f"unknown GPU {gpu!r} (--gpu): known are {', '.join(GPUS)}; for another GPU give "
+                              "its compute capability, major*10+minor: --gpu sm90, sm89, sm100, ...")
+        sm = int(capability.group(1))
     if not isinstance(sm, int) or isinstance(sm, bool) or not 10 <= sm <= 200:
-        raise DFlashError(f"--sm {sm!r} is not a compute capability: give major*10+minor, e.g. 80, 89, 90, 100")
+        raise DFlashError(f"--gpu sm{sm!r} is not a compute capability: give major*10+minor, e.g. sm80, sm89, sm90, "
+                          "sm100")
     return Gpu(f"sm{sm}", sm)
 
 

@@ -35,9 +35,9 @@ EXIT_CODES = ((InvalidRequest, 2), (ServerUnavailable, 3), (DFlashClientError, 1
 def build_parser() -> argparse.ArgumentParser:
     connection = argparse.ArgumentParser(add_help=False)
     group = connection.add_argument_group("connection")
-    group.add_argument("--url", required=True, metavar="HOST:PORT",
-                       help="server address: its gRPC port (8001 by default) or, with --protocol http, "
-                            "its HTTP port (8000)")
+    group.add_argument("--url", required=True, metavar="HOST[:PORT]",
+                       help="server address: its gRPC port or, with --protocol http, its HTTP port; without a "
+                            "port, the server's default: 8001 (gRPC), 8000 (HTTP)")
     group.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="default: grpc")
     group.add_argument("--timeout", type=float, metavar="S", help="per-request limit in seconds (default: none)")
     group.add_argument("--retries", type=int, default=2, metavar="N",

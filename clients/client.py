@@ -15,7 +15,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from .errors import IncompleteResponse, RequestCancelled, RequestTimeout, ServerUnavailable
 from .params import GenerationParams, Prompt, prompt_inputs
 from .results import Generation, Health, TextChunk, Timings
-from .transport import TLS, Protocol, Request, Response, Templater, open_transport
+from .transport import TLS, Protocol, Request, Response, Templater, address, open_transport
 
 log = logging.getLogger("clients")
 
@@ -51,8 +51,8 @@ class AsyncDFlashClient:
 
     def __init__(self, url: str, protocol: Protocol = "grpc", *, tls: TLS | None = None,
                  retry: RetryPolicy = RetryPolicy(), timeout: float | None = None, templater: Templater | None = None):
-        self.url, self.protocol, self.retry, self.timeout = url, protocol, retry, timeout
-        self._transport = open_transport(url, protocol, tls, templater)
+        self.url, self.protocol, self.retry, self.timeout = address(url, protocol), protocol, retry, timeout
+        self._transport = open_transport(self.url, protocol, tls, templater)
 
     def stream(self, prompt: Prompt, params: GenerationParams | None = None, *, chat: bool = True,
                timeout: float | None = None) -> AsyncTextStream:

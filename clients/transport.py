@@ -26,6 +26,7 @@ from typing import AsyncIterator, Callable, Literal, Protocol as TypingProtocol
 import numpy as np
 
 from dflash_contract.protocol import FINISH_REASON, FRONT_INPUTS, STATISTICS, invalid_request
+from dflash_contract.server import PORTS
 
 from .errors import (DFlashClientError, InvalidRequest, RequestCancelled, RequestTimeout, ServerError,
                      ServerUnavailable, from_server_message)
@@ -40,6 +41,7 @@ MODEL = "dflash_bls"
 LLMAPI_MODEL = "tensorrt_llm"
 FRONT_MODELS = (MODEL, LLMAPI_MODEL)  # in order of preference
 HEALTH_TIMEOUT_S = 5.0
+STREAM_END_TIMEOUT_S = 5.0  # for the server to end a stream after its final response
 # The LLM-API model's inputs that requests use (model_repository/trtllm/tensorrt_llm/config.pbtxt), wire types.
 # No batch dimension (max_batch_size 0): text_input is [1], sampling_param_stop [n], the others [1].
 LLMAPI_INPUTS = {
@@ -68,6 +70,9 @@ class Templater(TypingProtocol):
 
     def count(self, text: str, special_tokens: bool) -> int:
         """Tokens of `text`, with the tokenizer's added special tokens or without."""
+
+    def refuse_special_tokens(self, field: str, text: str) -> None:
+        """InvalidRequest naming `field` when `text` holds a special token's text."""
 
 
 
@@ -174,19 +179,24 @@ class GrpcTransport(_FrontFinder):
             await sent_all.wait()
 
         call = self._client.stream_infer(requests())
+        final = False
         try:
             async for result, error in call:
                 if error is not None:
                     raise from_server_message(error.message(), self.url)
                 response = _grpc_response(front, result)
+                final = response.final
                 yield response
-                if response.final:
+                if final:
                     return
         except grpc.aio.AioRpcError as e:
             raise _rpc_error(e, self.url) from None
         finally:
-            sent_all.set()
-            call.cancel()  # no-op after the final response; otherwise tells the server to stop
+            sent_all.set()  # half-closes our side: after the final response the server then ends the RPC
+            if final:
+                await _ended(call)
+            else:
+                call.cancel()  # tells the server to stop
 
     async def health(self) -> Health:
         from tritonclient.utils import InferenceServerException
@@ -202,6 +212,18 @@ class GrpcTransport(_FrontFinder):
 
     async def close(self) -> None:
         await self._client.close()
+
+
+async def _ended(call) -> None:
+    """Wait (briefly) for the server to end a stream whose request is complete. Cancelling it instead left
+    tritonserver 2.51 unable to unload dflash_bls at shutdown once a dozen requests had been cancelled that way
+    (it then waited out its exit timeout)."""
+    try:
+        async with asyncio.timeout(STREAM_END_TIMEOUT_S):
+            async for _ in call:
+                pass
+    except Exception:  # the answer is whole already: a stream that does not end in time (or cleanly) is cut
+        call.cancel()
 
 
 class HttpTransport(_FrontFinder):
@@ -267,10 +289,17 @@ class HttpTransport(_FrontFinder):
         await self._health.close()
 
 
-def open_transport(url: str, protocol: Protocol, tls: TLS | None,
-                   templater: Templater | None = None) -> GrpcTransport | HttpTransport:
+def address(url: str, protocol: Protocol) -> str:
+    """HOST:PORT; a bare HOST gets the server's default port for the protocol (8001 gRPC, 8000 HTTP), not the
+    transport libraries' 443 / 80."""
     if "://" in url:
         raise InvalidRequest(f"give the address as HOST:PORT, without a scheme (got {url!r}); TLS is an option")
+    has_port = url.rpartition(":")[2].isdigit() and not url.endswith("]")  # [::1] is a host alone
+    return url if has_port or protocol not in PORTS else f"{url}:{PORTS[protocol]}"
+
+
+def open_transport(url: str, protocol: Protocol, tls: TLS | None,
+                   templater: Templater | None = None) -> GrpcTransport | HttpTransport:
     if protocol == "grpc":
         return GrpcTransport(url, tls, templater)
     if protocol == "http":
@@ -335,6 +364,8 @@ def _llmapi_prompt(prompt: dict[str, object], templater: Templater | None) -> tu
     if prompt.get("apply_chat_template"):
         message = json.dumps([{"role": "user", "content": text}], ensure_ascii=False)
         return _templater(templater, "apply_chat_template").render(message), True
+    if templater is not None:  # raw text is the user's too: TensorRT-LLM would read its special tokens' text as them
+        templater.refuse_special_tokens("text_input", text)
     return text, False
 
 

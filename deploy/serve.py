@@ -451,7 +451,9 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     if binary is None:
         binary, extra_env = _bundled_server(runtime)
         env.update(extra_env)
-        backend_args = [f"--backend-directory={runtime / 'backends'}"]
+        # the wheel's server is a CPU one: without this it asks CUDA for a pinned pool at every start (a warning),
+        # then logs the first response buffer's fallback to plain memory as "failed to allocate pinned system memory"
+        backend_args = [f"--backend-directory={runtime / 'backends'}", "--pinned-memory-pool-byte-size=0"]
     command = [str(binary), f"--model-repository={repository}", *backend_args,
                f"--http-address={host}", f"--http-port={ports['http']}", f"--grpc-address={host}",
                f"--grpc-port={ports['grpc']}", f"--metrics-address={host}", f"--metrics-port={ports['metrics']}",
@@ -539,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"require this bearer token on the OpenAI API (default: ${OPENAI_API_KEY_ENV}; unset: "
                              "no key)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbosity (0 = info)")
-    parser.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for readiness")
+    parser.add_argument("--ready-timeout", type=float, default=600,
+                        help="seconds to wait for readiness (default: 600)")
     parser.add_argument("--hang-seconds", type=float, default=HANG_FLOOR_SECONDS,
                         help=f"an engine step running longer than max(this, {HANG_STEP_MULTIPLE} x its usual cost) "
                              f"counts as a hung engine: the server stops, exit status {UNHEALTHY_EXIT_CODE} "

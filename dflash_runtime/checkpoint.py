@@ -187,6 +187,10 @@ def resolve_checkpoint(ref: str) -> Path:
     for candidate in (Path(ref), REPO_ROOT / ref):
         if candidate.is_dir():
             return candidate
+    if Path(ref).exists():
+        raise DFlashError(f"checkpoint {ref} is a file: give the checkpoint's folder (the one with config.json)")
+    if ref.startswith(("/", "./", "../", "~")):  # a path, not a hub id: no download would help
+        raise DFlashError(f"checkpoint folder {ref} does not exist")
     model_dir = os.environ.get("DFLASH_MODEL_DIR")
     if model_dir and (Path(model_dir) / ref.split("/")[-1]).is_dir():
         return Path(model_dir) / ref.split("/")[-1]
@@ -198,7 +202,7 @@ def resolve_checkpoint(ref: str) -> Path:
         raise DFlashError(
             f"checkpoint {ref!r} not found locally: pass a directory, put it in "
             f"$DFLASH_MODEL_DIR/{ref.split('/')[-1]}, "
-            f"or fetch it into the Hugging Face cache on a connected machine (huggingface-cli download {ref})"
+            f"or fetch it into the Hugging Face cache on a connected machine (hf download {ref})"
         ) from None
 
 

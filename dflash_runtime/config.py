@@ -160,6 +160,12 @@ class TargetConfig:
             eos_token_ids=eos,
         )
 
+    def check_max_context(self, max_context: int) -> None:
+        """A --max-context beyond the target's positions is refused, not cut down to them unsaid."""
+        if max_context > self.max_position_embeddings:
+            raise DFlashError(f"--max-context {max_context} is beyond this target's {self.max_position_embeddings} "
+                              "positions (max_position_embeddings in its config.json)")
+
 
 def _eos_ids(cfg: dict) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")

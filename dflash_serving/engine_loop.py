@@ -20,6 +20,7 @@ from dflash_contract.protocol import (CANCELLED_MESSAGE, CAPACITY_MESSAGE, ENGIN
 from dflash_contract.server import FAILED_STEPS_LIMIT, TEST_FAULT_ENV, StepProgress
 from dflash_runtime.engine import SpeculativeEngine, StepOutput
 from dflash_runtime.sampling import SamplingParams, SamplingStats
+from dflash_runtime.scheduler import Occupancy
 from dflash_runtime.sequence import Sequence, Status
 
 from .detokenize import token_window
@@ -112,7 +113,13 @@ class EngineLoop:
         self._failed_steps = 0
         self._fault = os.environ.get(TEST_FAULT_ENV)  # tests only (dflash_contract.server)
         self._requests: dict[Sequence, _Request] = {}
-        self._lock = threading.Lock()  # guards the engine's queues and self._requests
+        self._lock = threading.Lock()  # guards the engine's queues and self._requests; held through each step
+        # Admission must not wait for a step: a submit that did took a whole step per request (a server's
+        # requests arrive on one thread), so a burst of 64 waited ~64 steps to be queued or refused. Requests
+        # wait in _pending, admitted at the next step; _occupancy is the engine's as of the last admission or step.
+        self._admit_lock = threading.Lock()  # guards _pending, _occupancy and the flags submit reads
+        self._pending: list[_Request] = []
+        self._occupancy: Occupancy | None = None
         self._wake = threading.Event()
         self._stopping = False
         self._drain_deadline: float | None = None
@@ -128,41 +135,43 @@ class EngineLoop:
             raise self._load_error
 
     def submit(self, prompt_ids: Seq[int], params: SamplingParams, stream: Stream, streaming: bool = True) -> None:
-        """Queue a request; raises DFlashError for bad input and QueueFull when the queue is full."""
-        with self._lock:
+        """Queue a request; raises DFlashError for bad input and QueueFull when the queue is full. Returns at once,
+        whatever the engine is doing: the request joins the engine at its next step."""
+        limit = self.engine.max_context
+        if len(prompt_ids) < limit and len(prompt_ids) + params.max_new_tokens > limit:
+            raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
+                              f"the context limit of {limit} tokens")
+        prompt_ids = self.engine.check_request(prompt_ids, params)
+        with self._admit_lock:
             if self.failure is not None:
                 raise EngineStopped(f"{ENGINE_STOPPED_MESSAGE} ({self.failure}); retry on another replica")
             if self._stopping or self._drain_deadline is not None:
                 raise QueueFull(SHUTTING_DOWN_MESSAGE)
-            occupancy = self.engine.occupancy()
-            if occupancy.waiting - occupancy.free_slots >= self.max_queue_size:
-                raise QueueFull(f"{CAPACITY_MESSAGE} ({occupancy.running} running, "
-                                f"{occupancy.waiting} queued, queue limit {self.max_queue_size}); retry later")
-            limit = self.engine.max_context
-            if len(prompt_ids) < limit and len(prompt_ids) + params.max_new_tokens > limit:
-                raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
-                                  f"the context limit of {limit} tokens")
-            seq = self.engine.add_request(prompt_ids, params)
-            self._requests[seq] = _Request(seq, stream, streaming)
-        self._wake.set()
+            occupancy, pending = self._occupancy, len(self._pending)
+            if occupancy.waiting + pending - occupancy.free_slots >= self.max_queue_size:
+                raise QueueFull(f"{CAPACITY_MESSAGE} ({occupancy.running} running, {occupancy.waiting + pending} "
+                                f"queued, queue limit {self.max_queue_size}); retry later")
+            self._pending.append(_Request(Sequence(prompt_ids, params.with_seed()), stream, streaming))
+            self._wake.set()
 
     def drain(self, grace_seconds: float) -> None:
         """Refuse new requests; requests still unfinished after `grace_seconds` get a final error.
 
         `drained` is set once no request is left (each has had its final response sent)."""
-        with self._lock:
+        with self._lock, self._admit_lock:
             self._drain_deadline = time.monotonic() + grace_seconds
         self._wake.set()
 
     def stop(self, message: str = SHUTTING_DOWN_MESSAGE) -> None:
         """Stop stepping; requests still in flight get `message` as a final error."""
-        with self._lock:
+        with self._lock, self._admit_lock:
             self._stopping = True
         self._wake.set()
         self._thread.join()
-        for request in self._requests.values():
+        for request in [*self._requests.values(), *self._pending]:
             _fail(request, message)
         self._requests.clear()
+        self._pending.clear()
 
     @property
     def alive(self) -> bool:
@@ -180,10 +189,11 @@ class EngineLoop:
             self._die(f"{type(e).__name__}: {e}")
 
     def _die(self, cause: str) -> None:
-        with self._lock:
+        with self._lock, self._admit_lock:
             self.failure = cause
-            requests = list(self._requests.values())
+            requests = [*self._requests.values(), *self._pending]
             self._requests.clear()
+            self._pending.clear()
         for request in requests:
             _fail(request, f"{ENGINE_STOPPED_MESSAGE} ({cause}); retry on another replica")
         self.drained.set()  # nothing is left to drain: a shutdown need not wait for it
@@ -193,6 +203,7 @@ class EngineLoop:
     def _run(self, make_engine: Callable[[], SpeculativeEngine]) -> None:
         try:
             self.engine = make_engine()
+            self._occupancy = self.engine.occupancy()
         except BaseException as e:
             self._load_error = e
             return
@@ -224,7 +235,8 @@ class EngineLoop:
                     traceback.print_exc()
 
     def _step(self) -> tuple[list[_Request], StepReport]:
-        """One iteration under the lock: drain deadline, cancellations, one engine step."""
+        """One iteration under the lock: admissions, drain deadline, cancellations, one engine step."""
+        self._admit()
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
             self._abort(list(self._requests.values()), f"{SHUTTING_DOWN_MESSAGE}; the request was aborted")
         cancelled = self._drop_cancelled()
@@ -232,14 +244,24 @@ class EngineLoop:
         outputs = []
         if self.engine.has_unfinished():
             outputs = self._timed_step()
-        else:
-            self._wake.clear()
+        with self._admit_lock:
+            self._occupancy = self.engine.occupancy()  # the slots this step freed
+            if not self.engine.has_unfinished() and not self._pending:
+                self._wake.clear()  # under the admission lock: a submit's wake-up cannot fall between
         # a request prefilled in this step is also in its draft/verify pass: one chunk covers both
         ready = list({o.sequence: self._requests[o.sequence] for o in outputs}.values())
         for request in ready:
             if request.sequence.finished:
                 del self._requests[request.sequence]
         return ready, self._report(outputs, cancelled)
+
+    def _admit(self) -> None:
+        with self._admit_lock:
+            for request in self._pending:
+                self.engine.scheduler.add(request.sequence)
+                self._requests[request.sequence] = request
+            self._pending.clear()
+            self._occupancy = self.engine.occupancy()
 
     def _timed_step(self) -> list[StepOutput]:
         started = time.monotonic()

@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     parser.add_argument("--drafter", default="preset", help="drafter directory (default: the preset's)")
     parser.add_argument("--prompts", nargs="+", default=["chat"],
                         help="prompt sets: chat, humaneval, sharegpt (held-out split), or .jsonl files")
-    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set")
+    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set (default: 4)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--block-size", nargs="+", default=[AUTO_BLOCK_SIZE], type=block_size_argument,
                         help=f"one or more: {AUTO_BLOCK_SIZE!r} (each step picks its verify length; the default) or "

@@ -7,12 +7,13 @@ import sys
 import time
 
 from dflash_contract import DFlashError
+from dflash_contract.cli import ArgumentParser
 from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, block_size_argument, preset_table
 from dflash_runtime.sampling import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="dflash-generate",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Generate text with DFlash speculative decoding: a drafter proposes a block of tokens in one "
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read special-token text in --prompt (e.g. <|im_end|>) as those tokens, for a trusted "
                              "prompt; by default it is ordinary text, so that a prompt cannot end its turn or forge "
                              "a system turn")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     parser.add_argument("--block-size", type=block_size_argument, default=AUTO_BLOCK_SIZE,
                         help=f"{AUTO_BLOCK_SIZE!r} (default): each step verifies the length that maximises expected "
                              "tokens per second, from a startup profile of step times and the measured acceptance "
@@ -85,6 +86,8 @@ def run(args: argparse.Namespace) -> dict:
 
     drafter = None if args.drafter == "none" or args.block_size == 1 else args.drafter
     pipe = load_pipeline(args.target, drafter, args.dtype, args.device)
+    if args.max_context is not None:
+        pipe.target.config.check_max_context(args.max_context)
     if pipe.drafter is None and args.block_size == AUTO_BLOCK_SIZE:
         print("dflash-generate: no drafter, so block size auto means plain decoding", file=sys.stderr)
     engine = pipe.engine(block_size=args.block_size, max_batch_size=1, max_context=args.max_context)

@@ -8,10 +8,10 @@ answer's tokens with the target's tokenizer.json (the `tokenizers` package, whic
 run on). clients.transport calls it through the `Templater` protocol there.
 
 TensorRT-LLM tokenises that text itself with the special tokens recognised, so text is all the gateway can guard: a
-message whose content holds a special token's text (`<|im_end|>`) is refused, naming the message and the token, as
-it would become the control token there (end its turn, forge a system turn). Escaping it would send the model
-other text than the user's without saying so; the torch runtime, which tokenises itself, encodes it as ordinary
-text instead (dflash_runtime.text).
+message's content or a raw prompt that holds a special token's text (`<|im_end|>`) is refused, naming where and
+the token, as it would become the control token there (end its turn, forge a system turn). Escaping it would send
+the model other text than the user's without saying so; the torch runtime, which tokenises itself, encodes it as
+ordinary text instead (dflash_runtime.text).
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ class ChatTemplate:
         import jinja2
 
         messages = conversation(messages_json)
-        self._refuse_special_tokens(messages)
+        for i, message in enumerate(messages):
+            self.refuse_special_tokens(f"messages[{i}].content", message["content"])
         try:
             return self._template.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=True, **self._special_tokens)
@@ -75,13 +76,14 @@ class ChatTemplate:
             raise InvalidRequest(invalid_request(f"messages: the chat template refused the conversation: {e}")) \
                 from None
 
-    def _refuse_special_tokens(self, messages: list[dict[str, str]]) -> None:
-        for i, message in enumerate(messages):
-            found = self._special_text.search(message["content"])
-            if found:
-                raise InvalidRequest(invalid_request(
-                    f"messages[{i}].content holds {found.group()!r}, a special token of this model: TensorRT-LLM "
-                    "would read it as that control token, not as text; remove it or write it otherwise"))
+    def refuse_special_tokens(self, field: str, text: str) -> None:
+        """InvalidRequest naming `field` when `text` holds a special token's text: TensorRT-LLM would read it as that
+        control token."""
+        found = self._special_text.search(text)
+        if found:
+            raise InvalidRequest(invalid_request(
+                f"{field} holds {found.group()!r}, a special token of this model: TensorRT-LLM would read it as that "
+                "control token, not as text; remove it or write it otherwise"))
 
     def count(self, text: str, special_tokens: bool) -> int:
         """Tokens of a text, with what the tokenizer adds (a raw prompt) or without (a templated prompt, which holds

@@ -85,12 +85,47 @@ def test_trtllm_build_writes_llm_api_artifacts(tiny, tmp_path):
     (["--block-size", "32"], "larger than the drafter supports"),
     (["--device", "cuda"], "sees no CUDA GPU here"),
     (["--target", "qwen3-coder-30b-a3b"], "runs on --runtime trtllm only, not torch"),
-    (["--tensor-parallel-size", "0", "--runtime", "trtllm", "--gpu", "h100"], "must be >= 1"),
+    (["--tensor-parallel-size", "0", "--runtime", "trtllm", "--gpu", "h100"],
+     "--tensor-parallel-size must be >= 1, got 0"),
+    # each bad number is named alone, with its rule and value
+    (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),
+    (["--max-queue-size", "-1"], "--max-queue-size must be >= 0, got -1"),
+    (["--calib-samples", "0", "--quant", "fp8"], "--calib-samples must be >= 1, got 0"),
+    (["--sanity-tokens", "-1"], "--sanity-tokens must be >= 0, got -1"),
+    (["--max-context", "1"], "--max-context must be >= 2, got 1"),
+    (["--max-context", "1000000", "--dry-run"], "--max-context 1000000 is beyond this target's 8192 positions"),
+    # the hint names a flag that exists, and that flag works (test_check_...)
+    (["--runtime", "trtllm", "--gpu", "rtx9999"], "for another GPU give its compute capability, major*10+minor: "
+                                                 "--gpu sm90"),
+    (["--gpu", "rtx9999"], "unknown GPU 'rtx9999'"),  # misspelt, whatever the runtime
 ])
 def test_bad_options_fail_before_any_work(argv, message, tmp_path, capsys):
     assert main([*argv, "--output", str(tmp_path / "out")]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err  # one line: no usage text, no traceback
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_flag_value_is_one_line_too(tmp_path, capsys):
+    # argparse's own refusals (a type or a choice) in the builder's form, not the whole usage text
+    for argv, message in ((["--block-size", "0"], "block size must be 'auto' or an integer >= 1, got '0'"),
+                          (["--quant", "int4"], "invalid choice: 'int4'")):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--output", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("build.py: error: argument ") and err.count("\n") == 1, err
+        assert message in err
+
+
+def test_a_file_as_output_and_a_gpu_the_runtime_ignores(tmp_path, capsys):
+    file = tmp_path / "README.md"
+    file.write_text("not a build")
+    assert main(["--output", str(file), "--dry-run"]) == 2
+    assert f"--output {file} is a file" in capsys.readouterr().err and file.read_text() == "not a build"
+    # --gpu with the torch runtime: said to do nothing there, not silently ignored
+    assert main(["--gpu", "h100", "--quant", "nvfp4", "--dry-run", "--output", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "note: --gpu h100 matters only to --runtime trtllm" in err and "dequantizing --quant nvfp4" in err
 
 
 @pytest.fixture
@@ -112,6 +147,8 @@ def test_check_passes_flags_a_gpu_cluster_would_run(no_checkpoints_or_devices, t
                                        "--quant fp8 --tensor-parallel-size 2\n")
     assert main(["--device", "cuda", "--check"]) == 0  # the cluster's device, not this machine's
     assert capsys.readouterr().out == "check: ok: --target smollm2-135m --runtime torch\n"
+    assert main(["--runtime", "trtllm", "--gpu", "sm90", "--quant", "fp8", "--check"]) == 0  # a GPU by capability
+    assert capsys.readouterr().out == "check: ok: --target smollm2-135m --runtime trtllm --gpu sm90 --quant fp8\n"
     assert not (tmp_path / "out").exists()
 
 
@@ -121,7 +158,9 @@ def test_check_passes_flags_a_gpu_cluster_would_run(no_checkpoints_or_devices, t
     (["--target", "qwen3-coder-30b-a3b"], "preset qwen3-coder-30b-a3b runs on --runtime trtllm only, not torch"),
     (["--tensor-parallel-size", "2"], "tensor/pipeline parallelism needs --runtime trtllm"),
     (["--tensor-parallel-size", "0", "--runtime", "trtllm", "--gpu", "h100"],
-     "--tensor-parallel-size and --pipeline-parallel-size must be >= 1"),
+     "--tensor-parallel-size must be >= 1, got 0"),
+    (["--pipeline-parallel-size", "0", "--runtime", "trtllm", "--gpu", "h100"],
+     "--pipeline-parallel-size must be >= 1, got 0"),
     (["--train-drafter=--no-such-option"], "bad arguments for dflash-train-drafter"),
 ])
 def test_check_refuses_what_the_flags_rule_out(argv, message, no_checkpoints_or_devices, capsys):

@@ -48,7 +48,11 @@ def test_json_output_is_lossless_and_complete(tiny, capsys):
     (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt-ids", ",".join(["5"] * 20), "--max-context", "16"], "context limit"),
     (["--prompt", "hello"], "no tokenizer"),
-    (["--prompt-ids", "1", "--drafter", "/nonexistent/drafter"], "not found locally"),
+    (["--prompt-ids", "1", "--drafter", "/nonexistent/drafter"], "checkpoint folder /nonexistent/drafter does not "
+                                                                   "exist"),
+    (["--prompt-ids", "1", "--drafter", __file__], "is a file: give the checkpoint's folder"),
+    (["--prompt-ids", "1", "--drafter", "no-org/no-drafter"], "hf download no-org/no-drafter"),  # a hub id
+    (["--prompt-ids", "1", "--max-context", "100000"], "--max-context 100000 is beyond this target's 1024 positions"),
 ])
 def test_bad_input_is_a_clear_error(tiny, capsys, argv, message):
     code, out, err = generate(capsys, "--target", str(tiny[0]), "--drafter", str(tiny[1]), *argv)
@@ -61,6 +65,7 @@ def test_bad_block_size_is_a_usage_error(tiny, capsys, value):
         generate(capsys, "--target", str(tiny[0]), "--prompt-ids", "1", "--block-size", value)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "block size must be 'auto' or an integer >= 1" in err
+    assert err.startswith("dflash-generate: error: ") and err.count("\n") == 1, err  # one line, no usage text
 
 
 def test_auto_without_a_drafter_is_plain_decoding(tiny, capsys):

@@ -23,6 +23,7 @@ from clients import cli, loadbench
 from clients.errors import ServerError, from_server_message
 from clients.params import prompt_inputs
 from clients.results import TextChunk, Timings
+from clients.transport import address
 from deploy.serve import free_port
 from dflash_contract.protocol import LIMITS
 
@@ -77,6 +78,19 @@ def test_prompt_forms():
         prompt_inputs("", chat=True)
     with pytest.raises(InvalidRequest, match="empty conversation"):
         prompt_inputs([], chat=True)
+
+
+def test_an_address_without_a_port_gets_the_servers_default_port(capsys):
+    # grpc and HTTP libraries would pick 443 / 80 for a bare host
+    assert [address(url, protocol) for url, protocol in [("localhost", "grpc"), ("localhost", "http"),
+                                                         ("[::1]", "grpc"), ("dflash.ns.svc", "http")]] == \
+        ["localhost:8001", "localhost:8000", "[::1]:8001", "dflash.ns.svc:8000"]
+    assert address("10.0.0.1:9001", "grpc") == "10.0.0.1:9001" and address("[::1]:7000", "http") == "[::1]:7000"
+    with pytest.raises(InvalidRequest, match="without a scheme"):
+        address("http://localhost:8000", "http")
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "--help"])
+    assert "8001 (gRPC), 8000 (HTTP)" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("make, message", [

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import PROMPTS, load_pair
-from dflash_contract.protocol import ENGINE_STOPPED_MESSAGE, error_class
+from dflash_contract.protocol import CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE, error_class
 from dflash_contract.server import FAILED_STEPS_LIMIT, TEST_FAULT_ENV, StepProgress
 from dflash_runtime import SamplingParams
 from dflash_runtime.config import DFlashError
@@ -224,6 +224,48 @@ def test_the_loop_records_each_step_for_the_progress_watch(tiny, tmp_path):
         assert "the engine made no progress: a step has run for" in watch.hung(floor_seconds=0.1)
     finally:
         loop.stop()
+
+
+def test_submit_never_waits_for_the_step_in_progress(tiny):
+    """A server's requests arrive on one thread (Triton's execute): a submit that waited for the step in progress
+    let one request in per step, so a burst of 64 took about 64 steps to be queued or refused."""
+    engine, loop = _loop(tiny, max_queue_size=2)  # 2 slots
+    gate, stepping = threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step():
+        stepping.set()
+        gate.wait()
+        return step()
+
+    engine.step = held_step
+    accepted, refused = [Collector()], []
+
+    def burst():
+        for _ in range(8):
+            stream = Collector()
+            try:
+                loop.submit(PROMPTS[1], SamplingParams(max_new_tokens=4), stream)
+                accepted.append(stream)
+            except QueueFull as e:
+                refused.append(str(e))
+
+    worker = threading.Thread(target=burst)
+    try:
+        loop.submit(PROMPTS[0], SamplingParams(max_new_tokens=4), accepted[0])
+        assert stepping.wait(60)  # a step is in progress, and stays so until the gate opens
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive(), "submit waited for the step in progress"
+        assert len(accepted) == 4 and len(refused) == 5  # the 2 slots and the queue of 2 filled, no more
+        assert all(CAPACITY_MESSAGE in e and "4 queued, queue limit 2" in e for e in refused), refused
+    finally:
+        gate.set()
+        worker.join(60)
+        try:
+            assert all(s.done.wait(60) and s.error is None for s in accepted)
+        finally:
+            loop.stop()
 
 
 def test_a_request_that_waits_too_long_for_a_slot_is_refused_as_at_capacity(tiny):

@@ -25,8 +25,8 @@ import pytest
 from clients import AsyncDFlashClient, GenerationParams, RetryPolicy, ServerUnavailable
 from deploy.serve import TritonServer, _proc_stat, backend_processes, free_port, supervise
 from dflash_contract.protocol import CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE, error_class
-from dflash_contract.server import (EXIT_TIMEOUT_S, FAILURE_FILE_ENV, METRICS_PATH, PORTS, READY_PATH, TEST_FAULT_ENV,
-                                    UNHEALTHY_EXIT_CODE, report_engine_failure)
+from dflash_contract.server import (EXIT_TIMEOUT_S, FAILED_STEPS_LIMIT, FAILURE_FILE_ENV, METRICS_PATH, PORTS,
+                                    READY_PATH, TEST_FAULT_ENV, UNHEALTHY_EXIT_CODE, report_engine_failure)
 from test_serving import Stream, metric, wait_for_metric
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,11 +107,13 @@ def test_a_client_that_vanishes_mid_stream_frees_its_slot(served):
 
 def _kill_a_grpc_client_mid_stream(server) -> None:
     # a process that dies without a word: no cancellation is sent, only its connection closes
-    client = ("import os, signal, sys\nsys.path.insert(0, sys.argv[2])\nfrom test_serving import Stream\n"
-              "s = Stream(sys.argv[1])\n"
-              f"s.send('dflash_bls', text_input={LONG_STORY!r}, max_tokens=1000, stream=True, end_id=-1)\n"
-              "[s.responses.get(timeout=120) for _ in range(3)]\nprint('streaming', flush=True)\n"
-              "input()\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    # a failure before it streams exits at once: its gRPC threads would keep it alive, and the readline below waiting
+    client = ("import os, signal, sys\nsys.path.insert(0, sys.argv[2])\nfrom test_serving import Stream\ntry:\n"
+              "    s = Stream(sys.argv[1])\n"
+              f"    s.send('dflash_bls', text_input={LONG_STORY!r}, max_tokens=1000, stream=True, end_id=-1)\n"
+              "    [s.responses.get(timeout=120) for _ in range(3)]\n"
+              "except BaseException as e:\n    print(f'failed: {e!r}', flush=True)\n    os._exit(1)\n"
+              "print('streaming', flush=True)\ninput()\nos.kill(os.getpid(), signal.SIGKILL)\n")
     child = subprocess.Popen([sys.executable, "-c", client, server.grpc_url, str(REPO / "tests")], cwd=REPO,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline() == "streaming\n"
@@ -225,6 +227,27 @@ def test_a_hung_engine_step_is_detected_and_dflash_serve_exits_3_within_the_boun
     _assert_nothing_left(server)
     print(f"\nhung step: dflash-serve exited ({UNHEALTHY_EXIT_CODE}) {exited:.1f} s after the request "
           f"(--hang-seconds {hang_seconds})")
+
+
+def test_an_engine_step_that_always_fails_takes_the_server_down_after_the_limit(small_build, tmp_path):
+    """Every step raises (DFLASH_TEST_FAULT=fail-step, as a poisoned CUDA context would): the first requests get
+    INTERNAL, the FAILED_STEPS_LIMIT-th failure ends the engine like a dead one, and dflash-serve exits 3."""
+    server = Launched(small_build, tmp_path / "dflash-serve.log", env={TEST_FAULT_ENV: "fail-step"})
+    try:
+        sent = time.monotonic()
+        errors = [str(_refusal(server.grpc_url)) for _ in range(FAILED_STEPS_LIMIT)]  # one at a time
+        code = server.process.wait(HEALTH_BOUND_S + 30)
+        exited = time.monotonic() - sent
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert code == UNHEALTHY_EXIT_CODE, (code, log[-2000:])
+    assert all("a failing step" in e and error_class(e) == "INTERNAL" for e in errors[:-1]), errors
+    assert ENGINE_STOPPED_MESSAGE in errors[-1] and error_class(errors[-1]) == "UNAVAILABLE", errors[-1]
+    assert f"StepsFailing: {FAILED_STEPS_LIMIT} engine steps in a row failed" in log
+    _assert_nothing_left(server)
+    print(f"\nsteps failing: {FAILED_STEPS_LIMIT} requests answered, dflash-serve exited ({UNHEALTHY_EXIT_CODE}) "
+          f"{exited:.1f} s after the first")
 
 
 def _listening_addresses(port: int) -> set[str]:

@@ -285,6 +285,9 @@ def test_kv_cache_dtype_and_attention_backend_need_the_right_gpu():
 
 def test_gpu_resolution_and_recommendations():
     assert resolve_gpu(sm=89).generation == "Ada" and resolve_gpu("H200").sm == 90
+    assert resolve_gpu("sm90") == resolve_gpu("SM_90") == resolve_gpu(sm=90)  # --gpu by compute capability
+    with pytest.raises(DFlashError, match="--gpu sm900 is not a compute capability"):
+        resolve_gpu("sm900")
     recommended = {name: recommended_quantization(GPUS[name]) for name in ("a100", "l40s", "h100", "b200")}
     assert recommended == {"a100": "none", "l40s": "fp8", "h100": "fp8", "b200": "nvfp4"}
     for bad in (dict(gpu="v100"), dict(gpu="h100", sm=90), dict(), dict(sm=9.0)):
