@@ -50,7 +50,9 @@ class Launched:
         ready = self.process.stdout.readline()  # "ready: ..." once serving; "" if it exited
         assert ready.startswith("ready:"), log.read_text()[-3000:]
         self.ready_seconds = time.monotonic() - started
-        self.tritonserver = next(pid for pid in _all_pids() if _parent(pid) == self.process.pid)
+        # dflash-serve's children are tritonserver and the gateway; after the pids wrap the gateway may come first
+        self.tritonserver = next(pid for pid in _all_pids() if _parent(pid) == self.process.pid
+                                 and Path(_command(pid)[0]).name == "tritonserver")
         self.backends = backend_processes(self.tritonserver)
 
     grpc_url = property(lambda self: f"localhost:{self.ports['grpc']}")
@@ -324,6 +326,13 @@ def _assert_nothing_left(server: Launched) -> None:
 
 def _all_pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _command(pid: int) -> list[str]:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return [""]
 
 
 def _parent(pid: int) -> int | None:
