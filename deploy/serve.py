@@ -451,8 +451,8 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     if binary is None:
         binary, extra_env = _bundled_server(runtime)
         env.update(extra_env)
-        # the wheel's server is a CPU one: without this it asks CUDA for a pinned pool at every start (a warning),
-        # then logs the first response buffer's fallback to plain memory as "failed to allocate pinned system memory"
+        # the wheel's server is a CPU one: without this it asks CUDA for a pinned pool at every start, and warns that
+        # the call failed
         backend_args = [f"--backend-directory={runtime / 'backends'}", "--pinned-memory-pool-byte-size=0"]
     command = [str(binary), f"--model-repository={repository}", *backend_args,
                f"--http-address={host}", f"--http-port={ports['http']}", f"--grpc-address={host}",
