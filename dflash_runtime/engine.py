@@ -134,13 +134,13 @@ class SpeculativeEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams) -> Sequence:
-        seq = Sequence(self.check_request(prompt_ids, params), params.with_seed())
+        seq = self.new_sequence(prompt_ids, params)
         self.scheduler.add(seq)
         return seq
 
-    def check_request(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
-        """The prompt as ints, or DFlashError for a request this engine cannot take. Reads only what is fixed
-        at load time: any thread may call it while another steps the engine."""
+    def new_sequence(self, prompt_ids: Seq[int], params: SamplingParams) -> Sequence:
+        """The request as a Sequence not yet queued, or DFlashError for one this engine cannot take. Reads only
+        what is fixed at load time: any thread may call it while another steps the engine."""
         prompt_ids = [int(t) for t in prompt_ids]
         vocab = self.target.config.shape.vocab_size
         if not prompt_ids:
@@ -153,7 +153,7 @@ class SpeculativeEngine:
             raise DFlashError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop_strings and self.decode is None:
             raise DFlashError("stop strings need a tokenizer")
-        return prompt_ids
+        return Sequence(prompt_ids, params.with_seed())
 
     def cancel(self, seq: Sequence) -> None:
         if not seq.finished:

@@ -141,7 +141,7 @@ class EngineLoop:
         if len(prompt_ids) < limit and len(prompt_ids) + params.max_new_tokens > limit:
             raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
                               f"the context limit of {limit} tokens")
-        prompt_ids = self.engine.check_request(prompt_ids, params)
+        seq = self.engine.new_sequence(prompt_ids, params)
         with self._admit_lock:
             if self.failure is not None:
                 raise EngineStopped(f"{ENGINE_STOPPED_MESSAGE} ({self.failure}); retry on another replica")
@@ -151,7 +151,7 @@ class EngineLoop:
             if occupancy.waiting + pending - occupancy.free_slots >= self.max_queue_size:
                 raise QueueFull(f"{CAPACITY_MESSAGE} ({occupancy.running} running, {occupancy.waiting + pending} "
                                 f"queued, queue limit {self.max_queue_size}); retry later")
-            self._pending.append(_Request(Sequence(prompt_ids, params.with_seed()), stream, streaming))
+            self._pending.append(_Request(seq, stream, streaming))
             self._wake.set()
 
     def drain(self, grace_seconds: float) -> None:
