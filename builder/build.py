@@ -10,6 +10,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -24,8 +25,8 @@ from builder.options import BuildOptions, build_parser, check_options, option_no
 from builder.render import TORCH_MODELS, render_repository
 from dflash_contract import DFlashError
 from dflash_contract.layout import (DRAFTER_DIR, MANIFEST_FILE, REPOSITORY_DIR, TARGET_DIR, TRTLLM_OPTIONS_FILE,
-                                    VERIFY_PROFILE_FILE, build_key, file_hashes, read_manifest)
-from dflash_contract.presets import AUTO_BLOCK_SIZE
+                                    VERIFY_PROFILE_FILE, build_key, file_hashes, in_build, read_manifest)
+from dflash_contract.presets import AUTO_BLOCK_SIZE, PRESETS
 from dflash_runtime.checkpoint import resolve_checkpoint, resolve_target
 from dflash_runtime.config import DrafterConfig, TargetConfig
 
@@ -35,12 +36,15 @@ SANITY_PROMPTS = ["Explain what a hash table is and when to use one.", "Write a 
 
 @dataclass
 class Inputs:
-    target_dir: Path
+    target_dir: Path | None  # None: not found (a dry run lists it in `missing`)
     drafter_dir: Path | None
     drafter: DrafterConfig | None
     preset: str | None
     block_size: int | str  # or "auto"
     max_context: int
+    target_ref: str = ""  # as given: a preset's repo id or a path
+    drafter_ref: str | None = None
+    missing: tuple[str, ...] = ()  # what a dry run could not find, each with how to fetch it
 
     @property
     def profiles(self) -> bool:
@@ -48,32 +52,61 @@ class Inputs:
         return self.block_size == AUTO_BLOCK_SIZE
 
 
-def resolve_inputs(opts: BuildOptions) -> Inputs:
-    """Find the checkpoints and check that the drafter fits the target, before any heavy work."""
+def resolve_inputs(opts: BuildOptions, missing_ok: bool = False) -> Inputs:
+    """Find the checkpoints and check that the drafter fits the target, before any heavy work. Every missing
+    checkpoint is named at once (a user fetches them all, then builds); with `missing_ok` (a dry run) they are
+    returned in Inputs.missing and the checks that need them are left out."""
     check_options(opts)
-    target_dir, preset = resolve_target(opts.target)
+    preset = PRESETS.get(opts.target)
+    target_ref = preset.target if preset else opts.target
     drafter_ref = (preset.drafter if preset else None) if opts.drafter == "preset" else opts.drafter
-    if drafter_ref in (None, "none"):
-        drafter_dir = None
-    else:
-        drafter_dir = resolve_checkpoint(drafter_ref)
-    target_config = TargetConfig.from_dir(target_dir)
-    if opts.max_context is not None:
+    drafter_ref = None if drafter_ref == "none" else drafter_ref
+    missing, target_dir, drafter_dir = [], None, None
+    try:
+        target_dir, preset = resolve_target(opts.target)
+    except DFlashError as e:
+        missing.append(f"target: {e}")
+    if drafter_ref is not None:
+        try:
+            drafter_dir = resolve_checkpoint(drafter_ref)
+        except DFlashError as e:
+            missing.append(f"drafter: {e}")
+    if missing and not missing_ok:
+        raise DFlashError("; ".join(missing) if len(missing) == 1 else
+                          f"{len(missing)} checkpoints missing: " + "; ".join(missing))
+    target_config = TargetConfig.from_dir(target_dir) if target_dir else None
+    if target_config and opts.max_context is not None:
         target_config.check_max_context(opts.max_context)
     block_size = opts.block_size
     drafter_config = None
     if drafter_dir is not None:
         drafter_config = DrafterConfig.from_dir(drafter_dir)
-        drafter_config.check_against(target_config, str(drafter_dir))
+        if target_config:
+            drafter_config.check_against(target_config, str(drafter_dir))
         if block_size != AUTO_BLOCK_SIZE and block_size > drafter_config.block_size:
             raise DFlashError(f"--block-size {block_size} is larger than the drafter supports "
                               f"({drafter_config.block_size})")
+        if opts.runtime == "trtllm":  # before hours of quantizing, not when the options are written
+            from builder.trtllm import TrtllmOptions, check_token_budget, max_draft_len_for
+
+            widest = drafter_config.block_size if block_size == AUTO_BLOCK_SIZE else block_size
+            check_token_budget(opts.max_batch_size, max_draft_len_for(widest), TrtllmOptions().max_num_tokens)
+    elif drafter_ref is not None:
+        pass  # missing: the dry run says so; the block size is checked once it is there
     elif block_size == AUTO_BLOCK_SIZE:
         block_size = 1  # nothing to choose from: plain decoding (the plan says so)
     elif block_size != 1:
         raise DFlashError(f"--block-size {block_size} needs a drafter")
     max_context = opts.max_context or (preset.max_context if preset else 2048)
-    return Inputs(target_dir, drafter_dir, drafter_config, preset.name if preset else None, block_size, max_context)
+    return Inputs(target_dir, drafter_dir, drafter_config, preset.name if preset else None, block_size, max_context,
+                  target_ref, drafter_ref, tuple(missing))
+
+
+def fetch_command(inputs: Inputs) -> str:
+    """One command that fetches every missing checkpoint named by a hub id (a missing path is for the user)."""
+    refs = [ref for ref, found in ((inputs.target_ref, inputs.target_dir), (inputs.drafter_ref, inputs.drafter_dir))
+            if ref and found is None and not ref.startswith(("/", ".", "~")) and ref.count("/") == 1]
+    return " && ".join(f"hf download {ref}" for ref in refs)
 
 
 def checked_flags(opts: BuildOptions) -> str:
@@ -82,20 +115,24 @@ def checked_flags(opts: BuildOptions) -> str:
     flags += [(flag, value) for flag, value, default in [
         ("--gpu", opts.gpu, None), ("--quant", opts.quant, "none"), ("--kv-cache", opts.kv_cache, "none"),
         ("--tensor-parallel-size", opts.tensor_parallel_size, 1),
-        ("--pipeline-parallel-size", opts.pipeline_parallel_size, 1)] if value != default]
+        ("--pipeline-parallel-size", opts.pipeline_parallel_size, 1),
+        ("--dflash-attention", opts.dflash_attention, None)] if value != default]
     return " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in flags)
 
 
 def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
-    steps = [f"target   {inputs.target_dir}" + (f" (preset {inputs.preset})" if inputs.preset else ""),
-             f"drafter  {inputs.drafter_dir or 'none (plain autoregressive)'}, block size {inputs.block_size}"
-             + (f" (up to {inputs.drafter.block_size})" if inputs.profiles else "")]
+    drafter = (inputs.drafter_dir or inputs.drafter_ref or "none (plain autoregressive)")
+    steps = [f"target   {inputs.target_dir or inputs.target_ref}" + (f" (preset {inputs.preset})" if inputs.preset else "")
+             + ("  [MISSING]" if inputs.target_dir is None else ""),
+             f"drafter  {drafter}, block size {inputs.block_size}"
+             + (f" (up to {inputs.drafter.block_size})" if inputs.profiles and inputs.drafter else "")
+             + ("  [MISSING]" if inputs.drafter_ref and inputs.drafter_dir is None else "")]
     if opts.quant == "none":
         steps.append(f"copy the target into {output / TARGET_DIR}")
     else:
         steps.append(f"quantize the target with ModelOpt: {opts.quant}, KV cache {opts.kv_cache}, "
                      f"{opts.calib_samples} ShareGPT calibration samples -> {output / TARGET_DIR}")
-    steps.append(f"copy the drafter into {output / DRAFTER_DIR}" if inputs.drafter_dir else "no drafter to copy")
+    steps.append(f"copy the drafter into {output / DRAFTER_DIR}" if inputs.drafter_ref else "no drafter to copy")
     if opts.runtime == "torch":
         steps.append(f"render the Triton model repository ({', '.join(TORCH_MODELS)}) into {output / REPOSITORY_DIR}: "
                      f"max batch {opts.max_batch_size}, context {inputs.max_context}, {opts.dtype} on {opts.device}")
@@ -220,6 +257,8 @@ def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
             shutil.rmtree(old, ignore_errors=True)
         else:
             stage.rename(output)
+        for kept in kept_quantizations(output):  # the build holds its quantized target now
+            shutil.rmtree(kept, ignore_errors=True)
     except OSError as e:
         shutil.rmtree(stage, ignore_errors=True)
         raise DFlashError(f"writing the build failed ({e.strerror or e}: {e.filename or stage}); nothing was "
@@ -230,16 +269,50 @@ def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
     return manifest
 
 
+def quantization_key(opts: BuildOptions, target_hashes: dict) -> str:
+    """What the quantized target depends on: the target's files and the quantizer's options."""
+    return build_key({"quant": opts.quant, "kv_cache": opts.kv_cache, "calib_samples": opts.calib_samples,
+                      "device": opts.device}, target_hashes)
+
+
+def kept_quantizations(output: Path) -> list[Path]:
+    """Quantized targets an unfinished build left beside `output` for the next run to reuse."""
+    return sorted(output.parent.glob(f".{output.name}.quantized-*"))
+
+
+def quantized_target(inputs: Inputs, opts: BuildOptions, output: Path, target_hashes: dict) -> tuple[Path, dict]:
+    """The quantized target and its report. Quantizing takes the longest (calibration alone ran 28 minutes on
+    a 2-core CPU), so it is done once per target and quantizer options: taken from the build already at
+    `output` (another serving option changed) or from what an interrupted run kept beside it, else made
+    and kept there until the build is published."""
+    from builder.quantize import quantize_target
+
+    key = quantization_key(opts, target_hashes)
+    try:
+        published = read_manifest(output).data.get("quantization") or {}
+    except DFlashError:
+        published = {}
+    if published.get("key") == key and (output / TARGET_DIR).is_dir():
+        return output / TARGET_DIR, {**published, "reused": f"from the previous build at {output}"}
+    kept = output.parent / f".{output.name}.quantized-{key[:16]}"
+    report_file = kept / "quantization.json"
+    if report_file.is_file():
+        return kept / TARGET_DIR, {**json.loads(report_file.read_text()), "reused": f"kept by an earlier run in {kept}"}
+    kept.mkdir(exist_ok=True)
+    report = {**quantize_target(inputs.target_dir, kept / TARGET_DIR, opts.quant, opts.kv_cache, opts.calib_samples,
+                                device=opts.device), "key": key}
+    report_file.write_text(json.dumps(report, indent=2) + "\n")  # last: the kept target is complete
+    return kept / TARGET_DIR, report
+
+
 def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, hashes: dict, key: str,
                 started: float) -> dict:
     quantization = None
     if opts.quant == "none":
         copy_checkpoint(inputs.target_dir, stage / TARGET_DIR)
     else:
-        from builder.quantize import quantize_target
-
-        quantization = quantize_target(inputs.target_dir, stage / TARGET_DIR, opts.quant, opts.kv_cache,
-                                       opts.calib_samples, device=opts.device)
+        quantized, quantization = quantized_target(inputs, opts, output, hashes["target"])
+        copy_checkpoint(quantized, stage / TARGET_DIR)
     if inputs.drafter_dir:
         copy_checkpoint(inputs.drafter_dir, stage / DRAFTER_DIR)
     sanity = sanity_run(stage, inputs, opts) if opts.sanity_tokens else None
@@ -247,7 +320,7 @@ def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, h
     if opts.runtime == "torch":
         render_repository(stage / REPOSITORY_DIR, repository_values(inputs, opts))
     else:
-        trtllm = write_trtllm_artifacts(stage, output, inputs, opts, (sanity or {}).get("verify_profile"))
+        trtllm = write_trtllm_artifacts(stage, inputs, opts, (sanity or {}).get("verify_profile"))
     manifest = {
         "build_key": key,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -267,16 +340,17 @@ def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, h
     return manifest
 
 
-def write_trtllm_artifacts(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions,
-                           verify_profile: dict | None) -> dict:
+def write_trtllm_artifacts(stage: Path, inputs: Inputs, opts: BuildOptions, verify_profile: dict | None) -> dict:
     """LLM-API options for TensorRT-LLM's PyTorch backend (DFlash) and the LLM-API model repository.
 
-    The options name the build's final paths (where the server will find them); validation reads the
-    staged copies. Block size auto becomes a draft_len_schedule where the sanity run profiled a GPU
+    The options name the build's parts relative to the build folder ("./drafter"), so the build can move to
+    the volume a server mounts: trtllm-serve runs in the build folder, dflash-serve resolves them where the
+    build is. Validation reads the staged copies. Block size auto becomes a draft_len_schedule where the sanity run profiled a GPU
     (a CPU profile says nothing of TensorRT-LLM on a GPU); otherwise the drafter's whole block.
     """
-    from builder.trtllm import (TrtllmOptions, draft_len_schedule, llm_api_options, render_trtllm_repository,
-                                serve_command, validate_llm_args, write_extra_llm_api_options)
+    from builder.trtllm import (TrtllmOptions, dflash_context_buffer_bytes, draft_len_schedule, llm_api_options,
+                                render_trtllm_repository, serve_command, validate_llm_args,
+                                write_extra_llm_api_options)
 
     drafter = inputs.drafter
     if drafter is None:
@@ -285,17 +359,20 @@ def write_trtllm_artifacts(stage: Path, output: Path, inputs: Inputs, opts: Buil
     if inputs.profiles and verify_profile and opts.device.startswith("cuda"):
         schedule = draft_len_schedule(verify_profile["seconds"], verify_profile["acceptance_rates"])
     options = llm_api_options(
-        drafter=output / DRAFTER_DIR, block_size=drafter.block_size if inputs.profiles else inputs.block_size,
+        drafter=in_build(DRAFTER_DIR), block_size=drafter.block_size if inputs.profiles else inputs.block_size,
         options=TrtllmOptions(tensor_parallel_size=opts.tensor_parallel_size,
                               pipeline_parallel_size=opts.pipeline_parallel_size,
-                              max_batch_size=opts.max_batch_size, max_seq_len=inputs.max_context),
+                              max_batch_size=opts.max_batch_size, max_seq_len=inputs.max_context,
+                              dflash_attention_backend=opts.dflash_attention),
         mask_token_id=drafter.mask_token_id, target_layer_ids=list(drafter.target_layer_ids), schedule=schedule)
     write_extra_llm_api_options(options, stage / TRTLLM_OPTIONS_FILE)
-    render_trtllm_repository(stage / REPOSITORY_DIR, options, model=output / TARGET_DIR)
+    render_trtllm_repository(stage / REPOSITORY_DIR, options, model=in_build(TARGET_DIR))
     validation = validate_llm_args(options, model=stage / TARGET_DIR, speculative_model=stage / DRAFTER_DIR)
+    context_cache = dflash_context_buffer_bytes(options, json.loads((stage / DRAFTER_DIR / "config.json").read_text()))
     return {"options": options, "options_file": TRTLLM_OPTIONS_FILE, "gpu": opts.gpu,
             "validated": validation.validated, "validation": validation.message,
-            "serve_command": serve_command(output / TARGET_DIR, output / TRTLLM_OPTIONS_FILE)}
+            "dflash_context_cache_gib": None if context_cache is None else round(context_cache / 2 ** 30, 2),
+            "serve_command": serve_command(in_build(TARGET_DIR), TRTLLM_OPTIONS_FILE)}  # run in the build folder
 
 
 def _check_writable(folder: Path) -> None:
@@ -307,36 +384,62 @@ def _check_writable(folder: Path) -> None:
         raise DFlashError(f"the output's parent folder {folder} is not writable")
 
 
+MEASURED_WITH = {"fake_quant": "on the fake-quantized model (ModelOpt's emulation of the GPU's arithmetic)",
+                 "dequantized": "on the exported checkpoint as our runtime loads it (weights dequantized)"}
+
+
+def quality(quantization: dict) -> str:
+    """The quantization report's headline in words: perplexity against the unquantized target, and how
+    long greedy decoding stays on the unquantized target's own greedy path."""
+    agreement = quantization["greedy_agreement"]
+    ppl, base = quantization["perplexity"], quantization["unquantized"]["perplexity"]
+    return (f"perplexity {ppl:.2f} vs {base:.2f} unquantized ({ppl / base - 1:+.1%}); greedy agreement "
+            f"{agreement['matching_fraction']:.1%} of {sum(agreement['tokens_compared'])} tokens, first divergence "
+            f"after {agreement['mean_first_divergence']:.0f} on average; {MEASURED_WITH[quantization['measured_with']]}"
+            + (f"; quantized earlier, reused {quantization['reused']}" if quantization.get("reused") else ""))
+
+
 def summary(manifest: dict, output: Path) -> str:
-    options, sanity = manifest["options"], manifest.get("sanity") or {}
+    options, sanity, trtllm = manifest["options"], manifest.get("sanity") or {}, manifest.get("trtllm")
+    serving = f"block {options['block_size']}, max batch {options['max_batch_size']}"
+    if trtllm:
+        from builder.trtllm import resolve_gpu
+
+        runtime = f"trtllm: TensorRT-LLM's PyTorch backend on {resolve_gpu(options['gpu'])}, {serving}"
+    else:
+        runtime = f"torch: our PyTorch runtime, {options['dtype']} on {options['device']}, {serving}"
     rows = [("build", str(output) + ("  (reused: inputs unchanged)" if manifest.get("reused") else "")),
             ("target", f"{manifest['inputs']['target']} ({manifest['inputs']['target_dir']})"),
             ("drafter", manifest["inputs"]["drafter_dir"] or "none"),
-            ("runtime", f"{options['runtime']}, {options['dtype']} on {options['device']}, "
-                        f"block {options['block_size']}, max batch {options['max_batch_size']}"),
+            ("runtime", runtime),
             ("quantization", options["quant"] + (f", KV {options['kv_cache']}" if options["quant"] != "none" else ""))]
-    quantization = manifest.get("quantization")
-    if quantization:
-        rows.append(("quality", f"perplexity {quantization['perplexity']} (unquantized "
-                                f"{quantization['unquantized']['perplexity']}), greedy agreement "
-                                f"{quantization['greedy_agreement']} ({quantization['measured_with']})"))
-    if manifest.get("trtllm"):
-        rows.append(("tensorrt-llm", f"{manifest['trtllm']['options_file']}: {manifest['trtllm']['validation']}"))
+    if manifest.get("quantization"):
+        rows.append(("quality", quality(manifest["quantization"])))
+    if trtllm:
+        rows.append(("tensorrt-llm", f"{trtllm['options_file']}: {trtllm['validation']}"))
+        if trtllm.get("dflash_context_cache_gib") is not None:
+            rows.append(("", f"DFlash context cache {trtllm['dflash_context_cache_gib']} GiB per GPU beside the "
+                             "KV-cache pool (upstream's estimate; lower --max-batch-size or --max-context if it does "
+                             "not fit)"))
     if sanity:
         (block, dflash), = sanity["dflash"].items()
         rates = sanity["tokens_per_second"]
         rows += [("sanity", f"tau {dflash['mean_acceptance_length']}, DFlash {rates[f'dflash {block}']} tok/s vs "
                             f"autoregressive {rates['autoregressive']} tok/s "
                             f"({dflash['speedup_vs_autoregressive']}x; verify lengths {dflash['verify_lengths']}), "
-                            f"token-identical {sanity['token_identical_prompts']}")]
+                            f"token-identical {sanity['token_identical_prompts']}"
+                            + (f" (our PyTorch runtime here, {options['dtype']} on {options['device']})"
+                               if trtllm else ""))]
         if sanity.get("cuda_graphs"):
             graphs = sanity["cuda_graphs"]
             rows.append(("cuda graphs", f"{graphs['graphs']} captured at start-up in {graphs['seconds']} s, "
                                         f"{graphs['MiB']} MiB (max batch {options['max_batch_size']})"))
     rows += [("repository", str(output / REPOSITORY_DIR)), ("time", f"{manifest['seconds']} s"),
-             ("serve", f"dflash-serve {output / REPOSITORY_DIR}" if options["runtime"] == "torch" else
-                       " ".join(manifest["trtllm"]["serve_command"]) + "   (or Triton's LLM-API backend: "
-                       f"tritonserver --model-repository {output / REPOSITORY_DIR})")]
+             ("serve", f"dflash-serve {output / REPOSITORY_DIR}" + (
+                 "   (in the NGC tritonserver trtllm image: it adds TensorRT-LLM's LLM-API model code)" if trtllm
+                 else ""))]
+    if trtllm:
+        rows.append(("or", f"cd {output} && {shlex.join(trtllm['serve_command'])}   (trtllm-serve's OpenAI API)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -359,12 +462,24 @@ def drafter_training_args(target: str, train_args: str) -> argparse.Namespace:
     return args
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _interrupted)  # a deleted Job, a timeout: ended like Ctrl-C
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     output = args.output or Path("builds") / Path(args.target).name
+    training = None
     try:
-        training = None
         if args.train_drafter is not None:
             if args.drafter != "preset":
                 raise DFlashError("--train-drafter and --drafter both name the drafter")
@@ -388,9 +503,15 @@ def main(argv: list[str] | None = None) -> int:
             _check_writable(output.resolve().parent)
             opts = replace(opts, drafter=str(Path(training.output) / "drafter"))
         if args.dry_run:
+            inputs = None if training else resolve_inputs(opts, missing_ok=True)
             steps = ([f"train a drafter: dflash-train-drafter, resumable in {training.output}",
-                      "build with the trained drafter"] if training else plan(resolve_inputs(opts), opts, output))
+                      "build with the trained drafter"] if training else plan(inputs, opts, output))
             print("plan:\n" + "\n".join(f"  {n}. {s}" for n, s in enumerate(steps, 1)))
+            if inputs and inputs.missing:
+                print("missing:\n" + "\n".join(f"  {m}" for m in inputs.missing))
+                raise DFlashError(f"{len(inputs.missing)} checkpoint{'s' * (len(inputs.missing) > 1)} missing; "
+                                  + (f"fetch on a connected machine, then build: {fetch}" if (fetch := fetch_command(inputs))
+                                     else "give their folders"))
             return 0
         if training is not None:
             from dflash_training.train_drafter import train
@@ -400,6 +521,13 @@ def main(argv: list[str] | None = None) -> int:
     except DFlashError as e:
         print(f"build.py: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        kept = [k for k in kept_quantizations(output.resolve()) if (k / "quantization.json").is_file()]
+        print("\nbuild.py: interrupted; nothing was published" + (
+            f"; the quantized target is kept in {kept[-1]} and the next run with the same target and --quant, "
+            "--kv-cache, --calib-samples reuses it" if kept else "")
+            + ("; training resumes from its last checkpoint" if training else ""), file=sys.stderr)
+        return 130
     print(summary(manifest, output))
     return 0
 

@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from builder.trtllm import DFLASH_ATTENTION_BACKEND_SMS
 from dflash_contract import DFlashError
 from dflash_contract.cli import ArgumentParser
 from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, PRESETS, block_size_argument, preset_table
@@ -55,6 +56,7 @@ class BuildOptions:
     gpu: str | None = None  # trtllm: the serving GPU (h100, b200, ...), checked against the quantization
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    dflash_attention: str | None = None  # trtllm: DFlashDecodingConfig.attention_backend; None: upstream's (VANILLA)
     sanity_tokens: int = 32
 
 
@@ -83,9 +85,12 @@ def check_options(opts: BuildOptions) -> None:
 
         if opts.gpu is None:
             raise DFlashError("--runtime trtllm needs --gpu (the serving GPU, e.g. h100, h200, b200)")
-        check_gpu_support(resolve_gpu(opts.gpu), opts.quant, "fp8" if opts.kv_cache == "fp8" else "auto")
+        check_gpu_support(resolve_gpu(opts.gpu), opts.quant, "fp8" if opts.kv_cache == "fp8" else "auto",
+                          opts.dflash_attention)
     elif (opts.tensor_parallel_size, opts.pipeline_parallel_size) != (1, 1):
         raise DFlashError("tensor/pipeline parallelism needs --runtime trtllm (the torch runtime runs on one device)")
+    elif opts.dflash_attention is not None:
+        raise DFlashError("--dflash-attention picks TensorRT-LLM's DFlash kernels: it needs --runtime trtllm")
     elif opts.gpu is not None:
         from builder.trtllm import resolve_gpu
 
@@ -130,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "capability: sm90); checks the quantization")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="trtllm: GPUs per pipeline stage")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="trtllm: pipeline stages")
+    parser.add_argument("--dflash-attention", choices=tuple(DFLASH_ATTENTION_BACKEND_SMS),
+                        help="trtllm: the drafter's attention kernels: VANILLA (upstream's default, any GPU), TRTLLM "
+                             "(SM100/SM103), FA4 (SM90, TensorRT-LLM >= 1.3.0rc27)")
     parser.add_argument("--quant", default="none", choices=QUANT_FORMATS, help="ModelOpt quantization of the target")
     parser.add_argument("--kv-cache", default="none", choices=KV_CACHE_FORMATS,
                         help="KV-cache quantization (with --quant)")
@@ -168,4 +176,5 @@ def options_from_args(args: argparse.Namespace) -> BuildOptions:
                         max_batch_size=args.max_batch_size, max_context=args.max_context,
                         max_queue_size=args.max_queue_size, dtype=args.dtype, device=args.device, gpu=args.gpu,
                         tensor_parallel_size=args.tensor_parallel_size,
-                        pipeline_parallel_size=args.pipeline_parallel_size, sanity_tokens=args.sanity_tokens)
+                        pipeline_parallel_size=args.pipeline_parallel_size, dflash_attention=args.dflash_attention,
+                        sanity_tokens=args.sanity_tokens)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -126,10 +127,13 @@ def _quantize(target_dir: Path, staging: Path, tokenizer, opts: QuantizeOptions,
     calibration = calibration_set(tokenizer, opts.calib_samples, opts.calib_max_tokens, opts.seed)
     texts, prompts = heldout_set(tokenizer, opts.eval_texts, opts.eval_max_tokens, opts.agreement_prompts)
     model = _load_hf_model(target_dir, opts.device, opts.model_dtype)
+    estimate = _Estimate.measure(model, calibration, texts, reference_paths_tokens(prompts, opts))
+    if progress:
+        print(f"quantize: {estimate.up_front()}", file=sys.stderr)
     with _timed(seconds, "reference"):
         reference = _measure_reference(model, tokenizer, texts, prompts, opts, progress)
     with _timed(seconds, "calibration"):
-        _calibrate(model, config, calibration, opts, progress)
+        _calibrate(model, config, calibration, opts, progress, estimate)
     evaluation = {}
     with _timed(seconds, "evaluation"):
         if opts.quant != "nvfp4" or opts.device != "cpu":  # NVFP4 fake quantization asserts CUDA tensors
@@ -172,13 +176,71 @@ def _measure_against(logits_fn, reference: _Reference, label: str, progress: boo
     return measure(logits_fn, reference.texts, reference.paths, reference.baseline, label, progress)
 
 
-def _calibrate(model, config: dict, calibration: list[list[int]], opts: QuantizeOptions, progress: bool) -> None:
+@dataclass
+class _Estimate:
+    """How long quantizing takes on this machine, from timed forward passes of the unquantized model: the
+    stages' token counts times the seconds per token. ModelOpt's quantizers slow every pass by a factor only
+    their first calibration sample tells, so the calibration and the fake-quantized evaluation are estimated
+    again then."""
+    per_token: float  # seconds per token of a full-length forward pass
+    per_step: float  # seconds of a one-token forward pass (a greedy decoding step)
+    calibration_tokens: int
+    evaluation_tokens: int  # perplexity texts + greedy paths, for each evaluated variant
+    reference_steps: int  # greedy decoding steps of the unquantized reference paths
+
+    @classmethod
+    def measure(cls, model, calibration: list[list[int]], texts: list[list[int]], paths_tokens: tuple[int, int]):
+        logits = _hf_logits(model)
+        longest = max(calibration, key=len)
+        logits(longest)  # the first pass pays for allocations
+        t = time.perf_counter()
+        logits(longest)[-1, 0].item()  # .item(): waits for a GPU
+        per_token = (time.perf_counter() - t) / len(longest)
+        t = time.perf_counter()
+        logits(longest[:1])[-1, 0].item()
+        steps, path_tokens = paths_tokens
+        return cls(per_token, time.perf_counter() - t, sum(map(len, calibration)),
+                   sum(map(len, texts)) + path_tokens, steps)
+
+    def up_front(self) -> str:
+        reference = self.reference_steps * self.per_step + self.evaluation_tokens * self.per_token
+        plain = self.calibration_tokens * self.per_token
+        return (f"about {_minutes(reference)} for the unquantized reference, then calibration: at least "
+                f"{_minutes(plain)} (ModelOpt's quantizers add a factor measured on its first sample), then "
+                f"evaluation and export (from a timed forward pass: {self.per_token * 1e3:.2f} ms/token)")
+
+    def after_first_sample(self, seconds: float, tokens: int) -> str:
+        factor = seconds / (tokens * self.per_token)
+        calibration = seconds * (self.calibration_tokens - tokens) / tokens
+        evaluation = self.evaluation_tokens * self.per_token * (factor + 1)  # fake-quantized, then dequantized
+        return (f"calibration's first sample took {seconds:.1f} s ({factor:.1f}x a plain pass): about "
+                f"{_minutes(calibration)} more to calibrate, then about {_minutes(evaluation)} to evaluate")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def reference_paths_tokens(prompts: list[list[int]], opts: QuantizeOptions) -> tuple[int, int]:
+    """(greedy steps, tokens) of the reference paths: every prompt decoded agreement_tokens further, then
+    each path read once per evaluation."""
+    steps = len(prompts) * opts.agreement_tokens
+    return steps, sum(map(len, prompts)) + steps
+
+
+def _calibrate(model, config: dict, calibration: list[list[int]], opts: QuantizeOptions, progress: bool,
+               estimate: _Estimate) -> None:
     """ModelOpt's max calibration over the calibration texts: the model is quantized in place."""
     import modelopt.torch.quantization as mtq
 
     def forward_loop(m):
-        for ids in tqdm(calibration, desc=f"calibrating {opts.quant}", disable=not progress, file=sys.stderr):
+        for n, ids in enumerate(tqdm(calibration, desc=f"calibrating {opts.quant}", disable=not progress,
+                                     file=sys.stderr)):
+            t = time.perf_counter()
             m(torch.tensor([ids], device=opts.device))
+            if n == 0 and progress and len(calibration) > 1:
+                tqdm.write(f"quantize: {estimate.after_first_sample(time.perf_counter() - t, len(ids))}",
+                           file=sys.stderr)
 
     with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):
         mtq.quantize(model, config, forward_loop)
@@ -312,10 +374,19 @@ def export(model, tokenizer, out: Path, dtype: torch.dtype) -> None:
     from safetensors import SafetensorError
 
     try:
+        config_log = logging.getLogger("transformers.configuration_utils")
+        level = config_log.level
         with torch.inference_mode(), contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
             # calibrating in float32 and exporting the unquantized layers in bfloat16 is intended
             warnings.filterwarnings("ignore", message="Model's original dtype")
-            export_hf_checkpoint(model, dtype=dtype, export_dir=out)
+            # ModelOpt's own ways, nothing a user can act on: it copies scales with torch.tensor(tensor), and it
+            # reads model.config.torch_dtype, which transformers answers with "`torch_dtype` is deprecated"
+            warnings.filterwarnings("ignore", message="To copy construct from a tensor", module="modelopt")
+            config_log.setLevel(logging.ERROR)
+            try:
+                export_hf_checkpoint(model, dtype=dtype, export_dir=out)
+            finally:
+                config_log.setLevel(level)
         tokenizer.save_pretrained(out)
         _write_both_rope_spellings(out / "config.json")
     except (OSError, SafetensorError) as e:

@@ -37,6 +37,13 @@ UPSTREAM_DFLASH_WORKER = "tensorrt_llm/_torch/speculative/dflash.py @ 00679c66c3
 _LLMAPI = "triton_backend/all_models/llmapi/tensorrt_llm"
 UPSTREAM_LLMAPI_MODEL = f"{_LLMAPI}/1/model.py @ 044a90d209e380c95e23e8ae42f3583fa05ada78"
 UPSTREAM_LLMAPI_CONFIG = f"{_LLMAPI}/config.pbtxt @ 0a71057313ec0626527e164a8fc0205c5822e2f5"
+# Newer rules, read in upstream's tests (their implementation was in open pull requests when read, 2026-12-01):
+# the config-time DFlash budget (token budget, context-buffer estimate) and the floor of 1 on draft lengths
+# in one-model modes, which turns a schedule's 0 tier from "speculation off" into "draft 1".
+UPSTREAM_DFLASH_BUDGET = ("tests/unittest/_torch/speculative/hw_agnostic/test_dflash_config_budget.py @ "
+                          "b874cd50f2e85065d6dcac8728590ca8f3e8ccb0")
+UPSTREAM_DRAFT_LEN_FLOOR = ("tests/unittest/_torch/speculative/test_min_runtime_draft_len.py @ "
+                            "011d0933dcb5e592f5fa2626beaf42a96324c578")
 
 # --- GPU generations and what they can run -----------------------------------------------------------
 
@@ -81,8 +88,9 @@ _KV_CHECK_MIN_SM = {**KV_CACHE_DTYPE_MIN_SM, "none": 0}  # check_gpu_support als
 def _quant_label(quantization: str) -> str:
     return "none (unquantized bf16)" if quantization == "none" else quantization
 # DFlashDecodingConfig.attention_backend: TRTLLM "requires FlashInfer and an NVIDIA Blackwell GPU with
-# SM100 or SM103" (upstream field description); VANILLA runs everywhere the PyTorch backend does.
-DFLASH_ATTENTION_BACKEND_SMS = {"VANILLA": None, "TRTLLM": (100, 103)}
+# SM100 or SM103" (upstream field description); FA4 (1.3.0rc27 and later) "is supported on SM90 only"
+# (upstream's validate_dflash_fa4_runtime); VANILLA runs everywhere the PyTorch backend does.
+DFLASH_ATTENTION_BACKEND_SMS = {"VANILLA": None, "TRTLLM": (100, 103), "FA4": (90,)}
 
 
 def resolve_gpu(gpu: str | None = None, sm: int | None = None) -> Gpu:
@@ -143,8 +151,10 @@ def check_gpu_support(gpu: Gpu, quantization: str, kv_cache_dtype: str = "auto",
                               f"(choose from {', '.join(DFLASH_ATTENTION_BACKEND_SMS)})")
         sms = DFLASH_ATTENTION_BACKEND_SMS[dflash_attention_backend]
         if sms is not None and gpu.sm not in sms:
-            raise DFlashError(f"DFlash attention backend {dflash_attention_backend} needs SM100 or SM103 "
-                              f"(b200, gb200, b300, gb300); {gpu} must use VANILLA")
+            fits = [g.name for g in GPUS.values() if g.sm in sms]
+            raise DFlashError(f"DFlash attention backend {dflash_attention_backend} needs "
+                              f"{' or '.join(f'SM{sm}' for sm in sms)} ({', '.join(fits)}); on {gpu} use "
+                              + " or ".join(b for b, s in DFLASH_ATTENTION_BACKEND_SMS.items() if s is None or gpu.sm in s))
 
 
 # --- LLM API options --------------------------------------------------------------------------------
@@ -216,12 +226,28 @@ def max_draft_len_for(block_size: int) -> int:
     return block_size - 1
 
 
+def check_token_budget(max_batch_size: int, max_draft_len: int, max_num_tokens: int) -> None:
+    """Upstream's config-time token budget (UPSTREAM_DFLASH_BUDGET): every request of a full batch verifies
+    its draft in one step. Upstream clamps a max_batch_size left at its default and refuses an explicit one
+    that breaks it; we always write one, so the build refuses it first."""
+    needed = max_batch_size * (1 + max_draft_len)
+    if needed > max_num_tokens:
+        raise DFlashError(f"--max-batch-size {max_batch_size} x (1 + max_draft_len {max_draft_len}) = {needed} tokens per "
+                          f"step, above max_num_tokens {max_num_tokens}: TensorRT-LLM needs max_num_tokens >= {needed}; "
+                          f"use --max-batch-size {max_num_tokens // (1 + max_draft_len)} at most")
+
+
 def draft_len_schedule(profile: dict[int, dict[int, float]], rates: list[float]) -> dict[int, int]:
     """TensorRT-LLM's `draft_len_schedule` from a profile of step seconds (batch size -> verify length ->
     seconds) and the per-position acceptance rates: per profiled batch size, the draft length whose
     expected tokens per second is highest. Upstream reads {B: d} as "batch sizes above the previous key,
     up to B, draft d" and requires the smallest key's d to be max_draft_len; longer drafts at larger
-    batches (timing noise) are capped to it. An empty schedule: speculation does not pay at batch 1."""
+    batches (timing noise) are capped to it. An empty schedule: speculation does not pay at batch 1.
+
+    A tier of 0 meant "speculation off"; newer releases raise it to 1 in one-model modes such as DFlash
+    (UPSTREAM_DRAFT_LEN_FLOOR), as they do for batches above the largest key. So tiers are written at 1
+    or more, and the keys reach the largest profiled batch (the build's max batch): the schedule means
+    the same under either rule."""
     from dflash_runtime.verify_length import expected_tokens
 
     schedule = {}
@@ -230,7 +256,7 @@ def draft_len_schedule(profile: dict[int, dict[int, float]], rates: list[float])
         expected = expected_tokens(rates, tuple(seconds), len(rates) + 1)
         schedule[batch_size] = max(seconds, key=lambda k: expected[k] / seconds[k]) - 1
     first = schedule[min(schedule)]
-    return {b: min(d, first) for b, d in schedule.items()} if first > 0 else {}
+    return {b: max(1, min(d, first)) for b, d in schedule.items()} if first > 0 else {}
 
 
 def llm_api_options(*, drafter: str | Path, block_size: int, options: TrtllmOptions = TrtllmOptions(),
@@ -245,13 +271,12 @@ def llm_api_options(*, drafter: str | Path, block_size: int, options: TrtllmOpti
     """
     max_draft_len = max_draft_len_for(block_size)
     if schedule:
-        if not all(b >= 1 and 0 <= d <= schedule[min(schedule)] <= max_draft_len for b, d in schedule.items()):
-            raise DFlashError(f"draft_len_schedule {schedule} must map batch sizes >= 1 to draft lengths no longer "
-                              f"than its first (the batch-1 draft length, at most {max_draft_len})")
+        if not all(b >= 1 and 1 <= d <= schedule[min(schedule)] <= max_draft_len for b, d in schedule.items()):
+            raise DFlashError(f"draft_len_schedule {schedule} must map batch sizes >= 1 to draft lengths from 1 (a 0 "
+                              "tier means 'off' in older releases and 1 in newer ones) up to its first (the batch-1 "
+                              f"draft length, at most {max_draft_len})")
         max_draft_len = schedule[min(schedule)]
-    if options.max_num_tokens < max_draft_len + 1:
-        raise DFlashError(f"max_num_tokens {options.max_num_tokens} cannot hold one verify step of "
-                          f"{max_draft_len + 1} tokens (block size {block_size})")
+    check_token_budget(options.max_batch_size, max_draft_len, options.max_num_tokens)
     speculative = {"decoding_type": "DFlash", "max_draft_len": max_draft_len, "speculative_model": str(drafter)}
     if mask_token_id is not None:
         speculative["mask_token_id"] = int(mask_token_id)
@@ -269,6 +294,10 @@ def llm_api_options(*, drafter: str | Path, block_size: int, options: TrtllmOpti
     }
     if options.max_seq_len is not None:
         out["max_seq_len"] = options.max_seq_len
+    # KV-cache block reuse stays at upstream's default (on): a prefix hit skips the prefill of the reused blocks,
+    # so the drafter lacks the target's hidden states there until newer releases' context_recompute_tail (0 =
+    # off) recomputes a tail. Not written: the pinned llm_args.py has no such field and LLM() refuses unknown
+    # keys. A prefix hit makes drafts poorer for a while, never the output different (the target verifies).
     out["kv_cache_config"] = {"free_gpu_memory_fraction": float(options.free_gpu_memory_fraction),
                               "dtype": options.kv_cache_dtype}
     # max_batch_size is left out on purpose: upstream derives it as max(batch_sizes) and refuses a mismatch.
@@ -276,6 +305,33 @@ def llm_api_options(*, drafter: str | Path, block_size: int, options: TrtllmOpti
                                 "enable_padding": bool(options.cuda_graph_padding)}
     out["speculative_config"] = speculative
     return out
+
+
+def dflash_context_buffer_bytes(options: dict, drafter_config: dict) -> int | None:
+    """Upstream's estimate of DFlash's private context cache per GPU (UPSTREAM_DFLASH_BUDGET), which its
+    config check compares with what is left of the GPU beside the weights and the KV-cache pool: K and V
+    for (max_batch_size + 1) slots x the drafter's layers x (max_seq_len + max_draft_len + 1) positions x
+    its KV heads per tensor-parallel rank x head_dim. None where upstream charges nothing (TRTLLM borrows
+    the KV-cache pool) or cannot tell (no max_seq_len, a drafter config without the shape)."""
+    speculative = options["speculative_config"]
+    if speculative.get("attention_backend") == "TRTLLM" or options.get("max_seq_len") is None:
+        return None
+    dflash = drafter_config.get("dflash_config", {})
+    try:
+        layers = int(drafter_config["num_hidden_layers"])
+        kv_heads = int(drafter_config.get("num_key_value_heads") or drafter_config["num_attention_heads"])
+        head_dim = int(drafter_config.get("head_dim")
+                       or drafter_config["hidden_size"] // drafter_config["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    positions = options["max_seq_len"]
+    if drafter_config.get("max_position_embeddings"):
+        positions = min(positions, int(drafter_config["max_position_embeddings"]))
+    dtype = drafter_config.get("torch_dtype") or drafter_config.get("dtype") or dflash.get("dtype") or "bfloat16"
+    dtype_bytes = 4 if str(dtype).removeprefix("torch.") == "float32" else 2
+    per_rank_heads = max(1, kv_heads // options["tensor_parallel_size"])
+    return (2 * (options["max_batch_size"] + 1) * layers * (positions + speculative["max_draft_len"] + 1)
+            * per_rank_heads * head_dim * dtype_bytes)
 
 
 # --- Writing ----------------------------------------------------------------------------------------
@@ -289,15 +345,17 @@ def write_extra_llm_api_options(options: dict, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = ("# TensorRT-LLM LLM API options (TorchLlmArgs) for DFlash speculative decoding, PyTorch backend.\n"
-              "# Serve: trtllm-serve <target checkpoint> --extra_llm_api_options <this file>\n"
-              "#        (TensorRT-LLM >= 1.3 also calls the flag --config). Written by builder/trtllm.py.\n")
+              "# Serve, in the build folder (paths starting ./ are the build's own): trtllm-serve ./target --config\n"
+              "# <this file> (older releases: --extra_llm_api_options). Written by builder/trtllm.py.\n")
     path.write_text(header + _yaml(options))
     return path
 
 
 def serve_command(model: str | Path, options_path: str | Path) -> list[str]:
-    """argv for trtllm-serve's OpenAI-compatible server (an alternative to Triton)."""
-    return ["trtllm-serve", str(model), "--backend", "pytorch", "--extra_llm_api_options", str(options_path)]
+    """argv for trtllm-serve's OpenAI-compatible server (an alternative to Triton). No `--backend pytorch`:
+    it is trtllm-serve's default and the LLM API marks the `backend` field deprecated. `--config` is the
+    current name of `--extra_llm_api_options` (an alias since before 1.3, the first release with DFlash)."""
+    return ["trtllm-serve", str(model), "--config", str(options_path)]
 
 
 def model_yaml(options: dict, *, model: str | Path, decoupled: bool = True) -> dict:
@@ -306,7 +364,8 @@ def model_yaml(options: dict, *, model: str | Path, decoupled: bool = True) -> d
     Upstream's model.py (UPSTREAM_LLMAPI_MODEL) passes every key except `triton_config` through
     `update_llm_args_with_extra_dict({}, ...)` into `LLM(**args)`, and takes `max_batch_size` (0: one
     prompt per request; the LLM batches in flight itself) and `decoupled` (True: streaming) from
-    `triton_config` in its auto_complete_config.
+    `triton_config` in its auto_complete_config. `backend: pytorch` stays, although the field is marked
+    deprecated upstream: NVIDIA's own model.yaml for this model.py still writes it.
     """
     return {"model": str(model), "backend": "pytorch", **options,
             "triton_config": {"max_batch_size": 0, "decoupled": bool(decoupled)}}

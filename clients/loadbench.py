@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--in-process", metavar="BUILD",
                         help="first compare single-stream tokens/s through the server with BUILD's engine run in "
                              "this process (the server's overhead); greedy")
-    parser.add_argument("--json", metavar="PATH", default="loadbench.json", help="results (default: loadbench.json)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--plot", metavar="PATH", help="PNG: throughput and latency against the level")
     return parser
 
@@ -388,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     if summary["server_vs_in_process"]:
         print(f"server vs in-process (single stream): {json.dumps(summary['server_vs_in_process'])}")
     print(table(summary))
-    Path(args.json).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    print(f"wrote {args.json}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
         plot(summary, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)

@@ -436,9 +436,11 @@ def _str(value) -> str:
 
 
 def _stats(get) -> SpeculationStats:
-    """SpeculationStats from get(output name) -> value or None (a flags-only final response has no outputs)."""
+    """SpeculationStats from get(output name) -> value or None (a flags-only final response has no outputs).
+    An FP32 value becomes the shortest decimal of that float32 (2/3 is 0.6666667, not the float64 of the
+    float32, 0.6666666865348816)."""
     values = {s: get(s.tensor) for s in STATISTICS}
-    return SpeculationStats(**{s.field: (float if s.data_type == "FP32" else int)(value)
+    return SpeculationStats(**{s.field: float(str(np.float32(value))) if s.data_type == "FP32" else int(value)
                                for s, value in values.items() if value is not None})
 
 

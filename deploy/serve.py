@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_contract import DFlashError
-from dflash_contract.layout import read_manifest
+from dflash_contract.layout import read_manifest, resolve_in_build
 from dflash_contract.server import (ABORT_SECONDS, DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S,
                                     EXIT_TIMEOUT_S, FAILURE_FILE_ENV, FLUSH_SECONDS, GATEWAY_HEALTH_PATH,
                                     HANG_FLOOR_SECONDS, HANG_STEP_MULTIPLE, HEALTH_CHECK_SECONDS, METRICS_PATH,
@@ -415,7 +415,29 @@ def stage_trtllm_repository(repository: Path, runtime: Path, model_code: Path = 
     shutil.copytree(repository, staged, copy_function=os.symlink)
     for source in sorted(model_code.glob("*.py")):
         shutil.copyfile(source, staged / version_dir / source.name)
+    model_yaml = staged / version_dir / "model.yaml"
+    text = model_yaml.read_text()
+    model_yaml.unlink()  # a link into the build, which stays as it is
+    model_yaml.write_text(_llmapi_paths_resolved(text, repository.resolve().parent))
     return staged
+
+
+def _llmapi_paths_resolved(text: str, build: Path) -> str:
+    """model.yaml with the build's own paths ("./target", "./drafter": relative to the build folder, so a
+    build can move) made absolute where the build is now: upstream's model.py hands `model` and
+    `speculative_model` to LLM(), which would resolve them against tritonserver's working directory."""
+    import yaml
+
+    config = yaml.safe_load(text)
+    speculative = config.get("speculative_config") or {}
+    for section, key in ((config, "model"), (speculative, "speculative_model")):
+        value = section.get(key)
+        if isinstance(value, str):
+            section[key] = resolve_in_build(value, build)
+            if section[key] != value and not (Path(section[key]) / "config.json").is_file():
+                raise ServeError(f"the TensorRT-LLM build names {key} {value}, and {section[key]} holds no "
+                                 "checkpoint: move a build folder whole (target/, drafter/ and model_repository/)")
+    return f"# staged by dflash-serve from {build}: the build's paths made absolute\n" + yaml.safe_dump(config, sort_keys=False)
 
 
 def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_port: int = PORTS["grpc"],

@@ -29,6 +29,18 @@ MANIFEST_FILE = "manifest.json"
 VERIFY_PROFILE_FILE = "verify_profile.json"  # step seconds by batch size and verify length, for block size auto
 
 
+def in_build(name: str) -> str:
+    """How a build's own files name another of its parts: "./target", relative to the build folder, so a
+    build can move (a volume, a container). The "./" tells it apart from a Hugging Face repo id."""
+    return f"./{name}"
+
+
+def resolve_in_build(value: str, build: Path) -> str:
+    """A path written by in_build() made absolute under `build`, where the build is now; anything else
+    (an absolute path, a repo id) as it is."""
+    return str(build.resolve() / value[2:]) if value.startswith("./") else value
+
+
 @dataclass(frozen=True)
 class BuildManifest:
     folder: Path

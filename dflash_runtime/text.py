@@ -23,7 +23,13 @@ def load_tokenizer(path: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        # Many checkpoints (SmolLM2's among them) ask for WordPiece's space clean-up, which transformers skips
+        # for BPE with a warning on every decode; saying what it does anyway keeps the output and drops the noise.
+        tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict[str, str]], chat: bool = True,

@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", nargs="+", default=["chat"],
                         help="prompt sets: chat, humaneval, sharegpt (held-out split), or .jsonl files")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set (default: 4)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=128,
+                        help="tokens per answer at most (default: 128)")
     parser.add_argument("--block-size", nargs="+", default=[AUTO_BLOCK_SIZE], type=block_size_argument,
                         help=f"one or more: {AUTO_BLOCK_SIZE!r} (each step picks its verify length; the default) or "
                              "a fixed block size; each runs as a mode of its own, beside the others")

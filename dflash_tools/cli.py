@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read special-token text in --prompt (e.g. <|im_end|>) as those tokens, for a trusted "
                              "prompt; by default it is ordinary text, so that a prompt cannot end its turn or forge "
                              "a system turn")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    parser.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=128,
+                        help="tokens to generate at most (default: 128); --max-tokens as in dflash-client and the "
+                             "OpenAI API")
     parser.add_argument("--block-size", type=block_size_argument, default=AUTO_BLOCK_SIZE,
                         help=f"{AUTO_BLOCK_SIZE!r} (default): each step verifies the length that maximises expected "
                              "tokens per second, from a startup profile of step times and the measured acceptance "

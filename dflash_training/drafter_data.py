@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, default=float("inf"),
                    help="stop taking new prompts after this long (running ones finish)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts (chat template included)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=256,
+                   help="answer tokens per prompt at most (default: 256)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences decoded together")
     p.add_argument("--later-turns", action="store_true",
                    help="also the later user turns of each conversation, each sent alone as a one-turn chat")

@@ -5,15 +5,20 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
-from builder.build import BuildOptions, build, main
+from builder.build import BuildOptions, build, main, summary
 from builder.render import parse_model_config
+from builder.trtllm import validate_llm_args
+from deploy.serve import ServeError, stage_trtllm_repository
 from dflash_contract import DFlashError, layout
 from dflash_contract.layout import TEMPLATES, build_key, file_hashes, read_manifest
 from dflash_contract.protocol import ENGINE_INPUTS, FINISH_REASON, FRONT_INPUTS, STATISTICS, TOKEN_OUTPUTS, config_type
@@ -41,9 +46,28 @@ def test_default_build_is_complete_and_reused(default_build, capsys):
     assert again["reused"] and again["build_key"] == manifest["build_key"]
 
 
-def test_fp8_build_reports_quality_and_stays_lossless(tmp_path, capsys):
-    assert main(["--quant", "fp8", "--calib-samples", "8", "--sanity-tokens", "16", "--output",
-                 str(tmp_path / "fp8")]) == 0
+def test_fp8_build_reports_quality_and_stays_lossless(tmp_path, monkeypatch, capsys):
+    argv = ["--quant", "fp8", "--calib-samples", "8", "--sanity-tokens", "16", "--output", str(tmp_path / "fp8")]
+
+    def interrupted(*_):
+        raise KeyboardInterrupt  # Ctrl-C once quantizing is done
+
+    # Ctrl-C: one line, nothing published, the quantized target kept for the next run
+    monkeypatch.setattr("builder.build.sanity_run", interrupted)
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    kept, = tmp_path.glob(".fp8.quantized-*")
+    assert f"build.py: interrupted; nothing was published; the quantized target is kept in {kept}" in err
+    assert "Traceback" not in err and not (tmp_path / "fp8").exists() and (kept / "quantization.json").is_file()
+    monkeypatch.undo()
+
+    def quantized_again(*_, **__):
+        raise AssertionError("the kept quantized target was not reused")
+
+    monkeypatch.setattr("builder.quantize.quantize_target", quantized_again)
+    assert main(argv) == 0
+    assert "quantized earlier, reused kept by an earlier run" in capsys.readouterr().out
+    assert not list(tmp_path.glob(".fp8.quantized-*"))  # published: the build holds it now
     manifest = json.loads((tmp_path / "fp8" / "manifest.json").read_text())
     assert (tmp_path / "fp8" / "target" / "hf_quant_config.json").is_file()
     quality = manifest["quantization"]
@@ -58,8 +82,15 @@ def test_fp8_build_reports_quality_and_stays_lossless(tmp_path, capsys):
     assert all(ks.keys() == {"1", "2", "4", "8"} for ks in profile["seconds"].values())
     dflash = parse_model_config(tmp_path / "fp8" / "model_repository" / "dflash" / "config.pbtxt")
     assert dflash.parameters["verify_profile"].string_value == "../verify_profile.json"
-    assert "perplexity" in capsys.readouterr().out  # the summary table
     assert not list(tmp_path.glob(".*partial*"))
+    # another serving option: the build is redone, its quantized target taken from the previous build
+    assert main([*argv, "--max-batch-size", "4", "--sanity-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"reused from the previous build at {tmp_path / 'fp8'}" in out
+    # the summary reads as words, not a dict
+    quality = re.search(r"quality +(.*)", out).group(1)
+    assert re.fullmatch(r"perplexity [\d.]+ vs [\d.]+ unquantized \([+-][\d.]+%\); greedy agreement [\d.]+% of \d+ "
+                        r"tokens, first divergence after \d+ on average; on the fake-quantized model .*", quality), quality
 
 
 def test_trtllm_build_writes_llm_api_artifacts(tiny, tmp_path):
@@ -70,10 +101,53 @@ def test_trtllm_build_writes_llm_api_artifacts(tiny, tmp_path):
     # block size auto without a GPU profile: the drafter's whole block, no draft_len_schedule
     speculative = options["speculative_config"]
     assert speculative["max_draft_len"] == 15 and "draft_len_schedule" not in speculative
-    assert options["speculative_config"]["speculative_model"] == str(tmp_path / "trt" / "drafter")
+    assert options["speculative_config"]["speculative_model"] == "./drafter"  # relative: the build can move
     assert (tmp_path / "trt" / "extra_llm_api_options.yaml").is_file()
-    assert (tmp_path / "trt" / "model_repository" / "tensorrt_llm" / "1" / "model.yaml").is_file()
     assert not manifest["trtllm"]["validated"] and "not importable" in manifest["trtllm"]["validation"]
+    # the summary says what runs where, and hints only at commands that work on this build
+    text = summary(manifest, tmp_path / "trt")
+    assert "runtime       trtllm: TensorRT-LLM's PyTorch backend on h100 (SM90, Hopper)" in text
+    assert "tritonserver --model-repository" not in text and f"dflash-serve {tmp_path / 'trt' / 'model_repository'}" in text
+    assert f"cd {tmp_path / 'trt'} && trtllm-serve ./target --config extra_llm_api_options.yaml" in text
+    # moved to where a server mounts it, the build still names its own checkpoints
+    moved = tmp_path / "volume" / "build"
+    moved.parent.mkdir()
+    (tmp_path / "trt").rename(moved)
+    code = tmp_path / "image"  # stand-ins for NVIDIA's model.py and helpers.py
+    code.mkdir()
+    for name in ("model.py", "helpers.py"):
+        (code / name).write_text("# NVIDIA's\n")
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    staged = stage_trtllm_repository(moved / "model_repository", runtime, code)
+    served = yaml.safe_load((staged / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert served["model"] == str(moved / "target")
+    assert served["speculative_config"]["speculative_model"] == str(moved / "drafter")
+    assert {k: v for k, v in served.items() if k not in ("model", "speculative_config", "backend", "triton_config")} \
+        == {k: v for k, v in options.items() if k != "speculative_config"}
+    validate_llm_args(served, model=served["model"])  # where tensorrt_llm imports, upstream's own check
+    assert "speculative_model: ./drafter" in (moved / "model_repository" / "tensorrt_llm" / "1" / "model.yaml").read_text()
+    shutil.rmtree(moved / "drafter")  # moved without its drafter: refused at launch, naming what is missing
+    with pytest.raises(ServeError, match=r"names speculative_model ./drafter, and .*/volume/build/drafter holds no "):
+        stage_trtllm_repository(moved / "model_repository", tmp_path / "runtime2", code)
+
+
+def test_a_dry_run_names_every_missing_checkpoint_and_how_to_fetch_them(tmp_path, monkeypatch, capsys):
+    # Before: the target alone was named, with exit 2 and no plan; the user fetched it, retried, fetched again.
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("DFLASH_MODEL_DIR", raising=False)
+    assert main(["--target", "qwen3-8b", "--dry-run", "--output", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert "1. target   Qwen/Qwen3-8B (preset qwen3-8b)  [MISSING]" in captured.out
+    assert "2. drafter  z-lab/Qwen3-8B-DFlash-b16, block size auto  [MISSING]" in captured.out
+    assert "write " in captured.out and captured.out.count("not found locally") == 2
+    assert captured.err == ("build.py: error: 2 checkpoints missing; fetch on a connected machine, then build: "
+                            "hf download Qwen/Qwen3-8B && hf download z-lab/Qwen3-8B-DFlash-b16\n")
+    # a real build names both too, before any work
+    assert main(["--target", "qwen3-8b", "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "2 checkpoints missing: target: checkpoint 'Qwen/Qwen3-8B' not found" in err and "drafter: " in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -329,3 +403,18 @@ def test_the_engine_model_declares_the_contract_tensors():
     inputs = text[text.index("input ["):text.index("output [")]
     for name in (*ENGINE_INPUTS, "input_ids", "stream", "stop"):
         assert f'name: "{name}"' in inputs, name
+
+
+def test_a_build_stopped_by_a_signal_ends_in_one_line_and_leaves_nothing(tmp_path):
+    # SIGTERM (a deleted Job, a timeout) ends a build as Ctrl-C does: cleaned up, one line, exit 130
+    build_py = subprocess.Popen([sys.executable, str(REPO / "builder" / "build.py"), "--sanity-tokens", "64",
+                                 "--output", str(tmp_path / "out")], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.*.partial/drafter")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)  # the checkpoints are copied: the sanity run is loading them
+    build_py.send_signal(signal.SIGTERM)
+    _, err = build_py.communicate(timeout=120)
+    assert build_py.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "build.py: interrupted; nothing was published" and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # no partial build, no output

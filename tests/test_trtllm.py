@@ -40,14 +40,15 @@ CUDA_GRAPH_CONFIG_FIELDS = {"batch_sizes", "max_batch_size", "enable_padding"}
 # DFlashDecodingConfig(DecodingBaseConfig): selected by the discriminator decoding_type == "DFlash" in the
 # SpeculativeConfig union; speculative_model (alias speculative_model_dir); mask_token_id and
 # target_layer_ids default to the drafter's config.json dflash_config (TorchLlmArgs.validate_speculative_config);
-# attention_backend Literal["VANILLA", "TRTLLM"], TRTLLM only on SM100/SM103.
+# attention_backend Literal["VANILLA", "TRTLLM"], TRTLLM only on SM100/SM103; FA4 (SM90 only) from
+# 1.3.0rc27 (API reference; upstream's validate_dflash_fa4_runtime).
 # draft_len_schedule: DecodingBaseConfig's dict[int, int], batch-size tier -> draft length; its smallest key
 # must map to max_draft_len (validate_draft_len_schedule_and_sort); DFlash supports it
 # (SpeculativeDecodingMode.support_dynamic_draft_len).
 DFLASH_DECODING_CONFIG_FIELDS = {"decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
                                  "target_layer_ids", "attention_backend", "draft_len_schedule"}
 DFLASH_DECODING_TYPE = "DFlash"
-DFLASH_ATTENTION_BACKENDS = {"VANILLA", "TRTLLM"}
+DFLASH_ATTENTION_BACKENDS = {"VANILLA", "TRTLLM", "FA4"}
 
 # Triton LLM-API model, triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt
 # @ 0a71057313ec0626527e164a8fc0205c5822e2f5: name -> (data_type, dims).
@@ -138,13 +139,36 @@ def test_bad_block_size_and_token_budget():
         llm_api_options(drafter=DRAFTER, block_size=1)
     with pytest.raises(DFlashError, match="max_num_tokens"):
         llm_api_options(drafter=DRAFTER, block_size=16, options=TrtllmOptions(max_num_tokens=8, max_batch_size=4))
+    # upstream's config-time budget (UPSTREAM_DFLASH_BUDGET's case): 32 x (1 + 7) = 256 > 100, at most 12 fit
+    with pytest.raises(DFlashError, match=r"= 256 tokens per step, above max_num_tokens 100: TensorRT-LLM needs "
+                                          r"max_num_tokens >= 256; use --max-batch-size 12 at most"):
+        llm_api_options(drafter=DRAFTER, block_size=8, options=TrtllmOptions(max_num_tokens=100, max_batch_size=32))
+    llm_api_options(drafter=DRAFTER, block_size=8, options=TrtllmOptions(max_num_tokens=96, max_batch_size=12))
+    # batch 1,024 at block 16 with 8,192 tokens passed here and failed there
+    with pytest.raises(DFlashError, match="use --max-batch-size 512 at most"):
+        llm_api_options(drafter=DRAFTER, block_size=16, options=TrtllmOptions(max_batch_size=1024))
+
+
+def test_dflash_context_cache_estimate_is_upstreams():
+    # UPSTREAM_DFLASH_BUDGET's drafter: 5 layers, 16 KV heads (4 per rank at tp 4), head_dim 64, bf16, 1M positions
+    drafter = {"block_size": 8, "num_hidden_layers": 5, "num_attention_heads": 128, "num_key_value_heads": 16,
+               "head_dim": 64, "hidden_size": 8192, "max_position_embeddings": 1048576, "torch_dtype": "bfloat16"}
+    options = llm_api_options(drafter=DRAFTER, block_size=8, options=TrtllmOptions(
+        tensor_parallel_size=4, max_batch_size=32, max_seq_len=8192))
+    assert trtllm.dflash_context_buffer_bytes(options, drafter) == 33 * 2 * 5 * (8192 + 8) * 4 * 64 * 2
+    trtllm_kernels = llm_api_options(drafter=DRAFTER, block_size=8, options=TrtllmOptions(
+        max_seq_len=8192, dflash_attention_backend="TRTLLM"))
+    assert trtllm.dflash_context_buffer_bytes(trtllm_kernels, drafter) is None  # in the KV-cache pool
+    assert trtllm.dflash_context_buffer_bytes(options, {"block_size": 8}) is None  # shape unknown
 
 
 def test_draft_len_schedule_from_a_profile():
     # a GPU: a pass costs the same up to 64 tokens, then grows with them; acceptance 0.8 per position
     profile = {b: {k: max(1.0, b * k / 64) for k in (1, 2, 4, 8, 16)} for b in (1, 4, 16, 64)}
     schedule = trtllm.draft_len_schedule(profile, [0.8] * 15)
-    assert schedule == {1: 15, 4: 15, 16: 3, 64: 0}  # the whole block while it is free, off at batch 64
+    # the whole block while it is free; at batch 64 speculation does not pay, and the tier says 1, not 0: a 0
+    # tier is "off" in older releases and raised to 1 in newer ones (UPSTREAM_DRAFT_LEN_FLOOR)
+    assert schedule == {1: 15, 4: 15, 16: 3, 64: 1}
     drafts = list(schedule.values())
     options = llm_api_options(drafter=DRAFTER, block_size=16, schedule=schedule)
     spec = options["speculative_config"]
@@ -153,16 +177,18 @@ def test_draft_len_schedule_from_a_profile():
     assert trtllm.draft_len_schedule({1: {1: 1.0, 2: 1.5}}, [0.1]) == {}
     with pytest.raises(DFlashError, match="draft_len_schedule"):
         llm_api_options(drafter=DRAFTER, block_size=8, schedule={1: 3, 8: 5})  # longer than its first
+    with pytest.raises(DFlashError, match="a 0 tier means 'off' in older releases and 1 in newer ones"):
+        llm_api_options(drafter=DRAFTER, block_size=8, schedule={1: 7, 8: 0})
 
 
 def test_extra_llm_api_options_yaml_round_trip(tmp_path):
     opts = llm_api_options(drafter=DRAFTER, block_size=16, target_layer_ids=[1, 9, 17])
     path = write_extra_llm_api_options(opts, tmp_path / "out" / "extra_llm_api_options.yaml")
     text = path.read_text()
-    assert text.startswith("# TensorRT-LLM LLM API options") and "--extra_llm_api_options" in text
+    assert text.startswith("# TensorRT-LLM LLM API options") and "--config" in text
     assert yaml.safe_load(text) == opts
-    assert serve_command("/models/Qwen3-8B", path) == [
-        "trtllm-serve", "/models/Qwen3-8B", "--backend", "pytorch", "--extra_llm_api_options", str(path)]
+    # --backend pytorch is trtllm-serve's default and a deprecated field; --config the flag's current name
+    assert serve_command("/models/Qwen3-8B", path) == ["trtllm-serve", "/models/Qwen3-8B", "--config", str(path)]
 
 
 def _render(text: str, values: dict) -> str:
@@ -241,7 +267,9 @@ def test_dflash_serve_adds_the_image_model_code_to_a_trtllm_repository(tmp_path)
     version = staged / "tensorrt_llm" / "1"
     assert sorted(p.name for p in version.iterdir()) == ["helpers.py", "model.py", "model.yaml"]
     assert (version / "model.py").read_text() == "# model\n"
-    assert (version / "model.yaml").read_text() == (repository / "tensorrt_llm" / "1" / "model.yaml").read_text()
+    # absolute paths (/t, /d) are served as they are (the build's own ./ paths: tests/test_build.py)
+    assert yaml.safe_load((version / "model.yaml").read_text()) == yaml.safe_load(
+        (repository / "tensorrt_llm" / "1" / "model.yaml").read_text())
     assert not (repository / "tensorrt_llm" / "1" / "model.py").exists()  # the build stays as it was
     assert serve.stage_trtllm_repository(staged, runtime, image) == staged  # code present: served as it is
     with pytest.raises(serve.ServeError, match="tritonserver:<yy.mm>-trtllm-python-py3"):
@@ -278,8 +306,12 @@ def test_kv_cache_dtype_and_attention_backend_need_the_right_gpu():
         check_gpu_support(resolve_gpu("a100"), "none", kv_cache_dtype="fp8")
     check_gpu_support(resolve_gpu("a100"), "none", kv_cache_dtype="none")
     check_gpu_support(resolve_gpu("h100"), "fp8", kv_cache_dtype="fp8", dflash_attention_backend="VANILLA")
-    with pytest.raises(DFlashError, match="SM100 or SM103"):
+    with pytest.raises(DFlashError, match=r"needs SM100 or SM103 \(b200, gb200, b300, gb300\); on h200 \(SM90, Hopper\) use "
+                                          "VANILLA or FA4"):
         check_gpu_support(resolve_gpu("h200"), "fp8", dflash_attention_backend="TRTLLM")
+    check_gpu_support(resolve_gpu("h100"), "fp8", dflash_attention_backend="FA4")
+    with pytest.raises(DFlashError, match=r"FA4 needs SM90 \(h100, h200, gh200\); on b200 .* use VANILLA or TRTLLM"):
+        check_gpu_support(resolve_gpu("b200"), "fp8", dflash_attention_backend="FA4")
     check_gpu_support(resolve_gpu(sm=103), "nvfp4", kv_cache_dtype="nvfp4", dflash_attention_backend="TRTLLM")
 
 
