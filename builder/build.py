@@ -401,13 +401,17 @@ def quality(quantization: dict) -> str:
 
 def summary(manifest: dict, output: Path) -> str:
     options, sanity, trtllm = manifest["options"], manifest.get("sanity") or {}, manifest.get("trtllm")
-    serving = f"block {options['block_size']}, max batch {options['max_batch_size']}"
+    batch = f"max batch {options['max_batch_size']}"
     if trtllm:
         from builder.trtllm import resolve_gpu
 
-        runtime = f"trtllm: TensorRT-LLM's PyTorch backend on {resolve_gpu(options['gpu'])}, {serving}"
+        speculative = trtllm["options"]["speculative_config"]
+        drafts = f"max_draft_len {speculative['max_draft_len']}" + (
+            f", draft_len_schedule {speculative['draft_len_schedule']}" if "draft_len_schedule" in speculative else "")
+        runtime = f"trtllm: TensorRT-LLM's PyTorch backend on {resolve_gpu(options['gpu'])}, {drafts}, {batch}"
     else:
-        runtime = f"torch: our PyTorch runtime, {options['dtype']} on {options['device']}, {serving}"
+        runtime = (f"torch: our PyTorch runtime, {options['dtype']} on {options['device']}, "
+                   f"block {options['block_size']}, {batch}")
     rows = [("build", str(output) + ("  (reused: inputs unchanged)" if manifest.get("reused") else "")),
             ("target", f"{manifest['inputs']['target']} ({manifest['inputs']['target_dir']})"),
             ("drafter", manifest["inputs"]["drafter_dir"] or "none"),
