@@ -122,7 +122,8 @@ def checked_flags(opts: BuildOptions) -> str:
 
 def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
     drafter = (inputs.drafter_dir or inputs.drafter_ref or "none (plain autoregressive)")
-    steps = [f"target   {inputs.target_dir or inputs.target_ref}" + (f" (preset {inputs.preset})" if inputs.preset else "")
+    target = inputs.target_dir or inputs.target_ref
+    steps = [f"target   {target}" + (f" (preset {inputs.preset})" if inputs.preset else "")
              + ("  [MISSING]" if inputs.target_dir is None else ""),
              f"drafter  {drafter}, block size {inputs.block_size}"
              + (f" (up to {inputs.drafter.block_size})" if inputs.profiles and inputs.drafter else "")
@@ -248,7 +249,7 @@ def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
             return {**existing, "reused": True}
     stage = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     try:
-        manifest = _build_into(stage, output, inputs, opts, hashes, key, started)
+        manifest = _build_into(stage, output, inputs, opts, hashes, key, started, force)
         if output.exists():
             old = output.with_name(f".{output.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -280,11 +281,12 @@ def kept_quantizations(output: Path) -> list[Path]:
     return sorted(output.parent.glob(f".{output.name}.quantized-*"))
 
 
-def quantized_target(inputs: Inputs, opts: BuildOptions, output: Path, target_hashes: dict) -> tuple[Path, dict]:
+def quantized_target(inputs: Inputs, opts: BuildOptions, output: Path, target_hashes: dict,
+                     reuse: bool = True) -> tuple[Path, dict]:
     """The quantized target and its report. Quantizing takes the longest (calibration alone ran 28 minutes on
     a 2-core CPU), so it is done once per target and quantizer options: taken from the build already at
     `output` (another serving option changed) or from what an interrupted run kept beside it, else made
-    and kept there until the build is published."""
+    and kept there until the build is published. Without `reuse` (--force) it is made again."""
     from builder.quantize import quantize_target
 
     key = quantization_key(opts, target_hashes)
@@ -292,13 +294,14 @@ def quantized_target(inputs: Inputs, opts: BuildOptions, output: Path, target_ha
         published = read_manifest(output).data.get("quantization") or {}
     except DFlashError:
         published = {}
-    if published.get("key") == key and (output / TARGET_DIR).is_dir():
+    if reuse and published.get("key") == key and (output / TARGET_DIR).is_dir():
         return output / TARGET_DIR, {**published, "reused": f"from the previous build at {output}"}
     kept = output.parent / f".{output.name}.quantized-{key[:16]}"
     report_file = kept / "quantization.json"
-    if report_file.is_file():
+    if reuse and report_file.is_file():
         return kept / TARGET_DIR, {**json.loads(report_file.read_text()), "reused": f"kept by an earlier run in {kept}"}
     kept.mkdir(exist_ok=True)
+    report_file.unlink(missing_ok=True)  # written again last, when the target it describes is complete
     report = {**quantize_target(inputs.target_dir, kept / TARGET_DIR, opts.quant, opts.kv_cache, opts.calib_samples,
                                 device=opts.device), "key": key}
     report_file.write_text(json.dumps(report, indent=2) + "\n")  # last: the kept target is complete
@@ -306,12 +309,12 @@ def quantized_target(inputs: Inputs, opts: BuildOptions, output: Path, target_ha
 
 
 def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, hashes: dict, key: str,
-                started: float) -> dict:
+                started: float, force: bool) -> dict:
     quantization = None
     if opts.quant == "none":
         copy_checkpoint(inputs.target_dir, stage / TARGET_DIR)
     else:
-        quantized, quantization = quantized_target(inputs, opts, output, hashes["target"])
+        quantized, quantization = quantized_target(inputs, opts, output, hashes["target"], reuse=not force)
         copy_checkpoint(quantized, stage / TARGET_DIR)
     if inputs.drafter_dir:
         copy_checkpoint(inputs.drafter_dir, stage / DRAFTER_DIR)
@@ -345,7 +348,8 @@ def write_trtllm_artifacts(stage: Path, inputs: Inputs, opts: BuildOptions, veri
 
     The options name the build's parts relative to the build folder ("./drafter"), so the build can move to
     the volume a server mounts: trtllm-serve runs in the build folder, dflash-serve resolves them where the
-    build is. Validation reads the staged copies. Block size auto becomes a draft_len_schedule where the sanity run profiled a GPU
+    build is. Validation reads the staged copies. Block size auto becomes a draft_len_schedule where the
+    sanity run profiled a GPU
     (a CPU profile says nothing of TensorRT-LLM on a GPU); otherwise the drafter's whole block.
     """
     from builder.trtllm import (TrtllmOptions, dflash_context_buffer_bytes, draft_len_schedule, llm_api_options,
@@ -513,8 +517,9 @@ def _run(args: argparse.Namespace) -> int:
             print("plan:\n" + "\n".join(f"  {n}. {s}" for n, s in enumerate(steps, 1)))
             if inputs and inputs.missing:
                 print("missing:\n" + "\n".join(f"  {m}" for m in inputs.missing))
+                fetch = fetch_command(inputs)
                 raise DFlashError(f"{len(inputs.missing)} checkpoint{'s' * (len(inputs.missing) > 1)} missing; "
-                                  + (f"fetch on a connected machine, then build: {fetch}" if (fetch := fetch_command(inputs))
+                                  + (f"fetch on a connected machine, then build: {fetch}" if fetch
                                      else "give their folders"))
             return 0
         if training is not None:

@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: CUDA when torch sees a GPU), cpu, cuda, cuda:N")
     parser.add_argument("--sanity-tokens", type=int, default=32,
                         help="tokens per sanity prompt; 0 skips the run (default: 32)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
+    parser.add_argument("--force", action="store_true",
+                        help="rebuild even if an identical build exists, quantization included")
     only = parser.add_mutually_exclusive_group()  # --dry-run reads the checkpoints, --check must not
     only.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     only.add_argument("--check", action="store_true",

@@ -152,9 +152,10 @@ def check_gpu_support(gpu: Gpu, quantization: str, kv_cache_dtype: str = "auto",
         sms = DFLASH_ATTENTION_BACKEND_SMS[dflash_attention_backend]
         if sms is not None and gpu.sm not in sms:
             fits = [g.name for g in GPUS.values() if g.sm in sms]
+            usable = [b for b, s in DFLASH_ATTENTION_BACKEND_SMS.items() if s is None or gpu.sm in s]
             raise DFlashError(f"DFlash attention backend {dflash_attention_backend} needs "
                               f"{' or '.join(f'SM{sm}' for sm in sms)} ({', '.join(fits)}); on {gpu} use "
-                              + " or ".join(b for b, s in DFLASH_ATTENTION_BACKEND_SMS.items() if s is None or gpu.sm in s))
+                              + " or ".join(usable))
 
 
 # --- LLM API options --------------------------------------------------------------------------------
@@ -232,9 +233,9 @@ def check_token_budget(max_batch_size: int, max_draft_len: int, max_num_tokens: 
     that breaks it; we always write one, so the build refuses it first."""
     needed = max_batch_size * (1 + max_draft_len)
     if needed > max_num_tokens:
-        raise DFlashError(f"--max-batch-size {max_batch_size} x (1 + max_draft_len {max_draft_len}) = {needed} tokens per "
-                          f"step, above max_num_tokens {max_num_tokens}: TensorRT-LLM needs max_num_tokens >= {needed}; "
-                          f"use --max-batch-size {max_num_tokens // (1 + max_draft_len)} at most")
+        raise DFlashError(f"--max-batch-size {max_batch_size} x (1 + max_draft_len {max_draft_len}) = {needed} "
+                          f"tokens per step, above max_num_tokens {max_num_tokens}: TensorRT-LLM needs max_num_tokens "
+                          f">= {needed}; use --max-batch-size {max_num_tokens // (1 + max_draft_len)} at most")
 
 
 def draft_len_schedule(profile: dict[int, dict[int, float]], rates: list[float]) -> dict[int, int]:

@@ -437,7 +437,8 @@ def _llmapi_paths_resolved(text: str, build: Path) -> str:
             if section[key] != value and not (Path(section[key]) / "config.json").is_file():
                 raise ServeError(f"the TensorRT-LLM build names {key} {value}, and {section[key]} holds no "
                                  "checkpoint: move a build folder whole (target/, drafter/ and model_repository/)")
-    return f"# staged by dflash-serve from {build}: the build's paths made absolute\n" + yaml.safe_dump(config, sort_keys=False)
+    header = f"# staged by dflash-serve from {build}: the build's paths made absolute\n"
+    return header + yaml.safe_dump(config, sort_keys=False)
 
 
 def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_port: int = PORTS["grpc"],

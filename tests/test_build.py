@@ -87,6 +87,14 @@ def test_fp8_build_reports_quality_and_stays_lossless(tmp_path, monkeypatch, cap
     assert main([*argv, "--max-batch-size", "4", "--sanity-tokens", "0"]) == 0
     out = capsys.readouterr().out
     assert f"reused from the previous build at {tmp_path / 'fp8'}" in out
+
+    def requantized(*_, **__):
+        raise RuntimeError("quantized again")
+
+    monkeypatch.setattr("builder.quantize.quantize_target", requantized)
+    with pytest.raises(RuntimeError, match="quantized again"):  # --force redoes the quantization too
+        main([*argv, "--max-batch-size", "4", "--sanity-tokens", "0", "--force"])
+    assert (tmp_path / "fp8" / "manifest.json").is_file()  # and the build in place stays until a new one is done
     # the summary reads as words, not a dict
     quality = re.search(r"quality +(.*)", out).group(1)
     assert re.fullmatch(r"perplexity [\d.]+ vs [\d.]+ unquantized \([+-][\d.]+%\); greedy agreement [\d.]+% of \d+ "
