@@ -349,8 +349,8 @@ def write_trtllm_artifacts(stage: Path, inputs: Inputs, opts: BuildOptions, veri
     The options name the build's parts relative to the build folder ("./drafter"), so the build can move to
     the volume a server mounts: trtllm-serve runs in the build folder, dflash-serve resolves them where the
     build is. Validation reads the staged copies. Block size auto becomes a draft_len_schedule where the
-    sanity run profiled a GPU
-    (a CPU profile says nothing of TensorRT-LLM on a GPU); otherwise the drafter's whole block.
+    sanity run profiled a GPU (a CPU profile says nothing of TensorRT-LLM on a GPU); otherwise the drafter's
+    whole block.
     """
     from builder.trtllm import (TrtllmOptions, dflash_context_buffer_bytes, draft_len_schedule, llm_api_options,
                                 render_trtllm_repository, serve_command, validate_llm_args,

@@ -127,7 +127,7 @@ def _quantize(target_dir: Path, staging: Path, tokenizer, opts: QuantizeOptions,
     calibration = calibration_set(tokenizer, opts.calib_samples, opts.calib_max_tokens, opts.seed)
     texts, prompts = heldout_set(tokenizer, opts.eval_texts, opts.eval_max_tokens, opts.agreement_prompts)
     model = _load_hf_model(target_dir, opts.device, opts.model_dtype)
-    estimate = _Estimate.measure(model, calibration, texts, reference_paths_tokens(prompts, opts))
+    estimate = _Estimate.measure(model, calibration, texts, prompts, opts.agreement_tokens)
     if progress:
         print(f"quantize: {estimate.up_front()}", file=sys.stderr)
     with _timed(seconds, "reference"):
@@ -189,7 +189,10 @@ class _Estimate:
     reference_steps: int  # greedy decoding steps of the unquantized reference paths
 
     @classmethod
-    def measure(cls, model, calibration: list[list[int]], texts: list[list[int]], paths_tokens: tuple[int, int]):
+    def measure(cls, model, calibration: list[list[int]], texts: list[list[int]], prompts: list[list[int]],
+                agreement_tokens: int):
+        """`prompts` are decoded agreement_tokens further for the reference paths, each then read once per
+        evaluation."""
         logits = _hf_logits(model)
         longest = max(calibration, key=len)
         logits(longest)  # the first pass pays for allocations
@@ -198,9 +201,10 @@ class _Estimate:
         per_token = (time.perf_counter() - t) / len(longest)
         t = time.perf_counter()
         logits(longest[:1])[-1, 0].item()
-        steps, path_tokens = paths_tokens
-        return cls(per_token, time.perf_counter() - t, sum(map(len, calibration)),
-                   sum(map(len, texts)) + path_tokens, steps)
+        per_step = time.perf_counter() - t
+        steps = len(prompts) * agreement_tokens
+        return cls(per_token, per_step, sum(map(len, calibration)),
+                   sum(map(len, texts)) + sum(map(len, prompts)) + steps, steps)
 
     def up_front(self) -> str:
         reference = self.reference_steps * self.per_step + self.evaluation_tokens * self.per_token
@@ -219,13 +223,6 @@ class _Estimate:
 
 def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
-
-
-def reference_paths_tokens(prompts: list[list[int]], opts: QuantizeOptions) -> tuple[int, int]:
-    """(greedy steps, tokens) of the reference paths: every prompt decoded agreement_tokens further, then
-    each path read once per evaluation."""
-    steps = len(prompts) * opts.agreement_tokens
-    return steps, sum(map(len, prompts)) + steps
 
 
 def _calibrate(model, config: dict, calibration: list[list[int]], opts: QuantizeOptions, progress: bool,
