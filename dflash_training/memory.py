@@ -61,7 +61,16 @@ def step_memory(target: TransformerShape, target_weight_bytes: int, sizes: StepS
 
 
 def describe(parts: dict[str, float], free: float | None = None) -> str:
-    """One line for the log: each part and the total, and the device's free memory if known."""
+    """One line for the log: each part and the total, the device's free memory if known, and what to change when
+    the step does not fit it."""
     shown = ", ".join(f"{name} {size:.2f}" for name, size in parts.items() if name != "total")
     room = f" of {free:.1f} GiB free" if free is not None else ""
-    return f"estimated memory per step: {parts['total']:.2f} GiB{room} ({shown})"
+    line = f"estimated memory per step: {parts['total']:.2f} GiB{room} ({shown})"
+    if free is None or parts["total"] <= free:
+        return line
+    if parts["target weights"] + parts["drafter + AdamW"] < free:
+        return line + ("; it does not fit: lower --batch-size, --anchors or --seq-len, or train on more ranks "
+                       "(torchrun: the batch splits across them, each rank's share is what is estimated here)")
+    return line + ("; it does not fit, whatever the batch: the frozen target's weights are whole on every rank, and "
+                   "a target that leaves no room for the drafter needs them sharded (FSDP), which this trainer does not "
+                   "do: train on a device with more memory")

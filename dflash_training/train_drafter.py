@@ -30,6 +30,7 @@ resumes from them; --max-minutes bounds a session. A JSONL learning curve record
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -42,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from dflash_runtime.checkpoint import load_weights, read_safetensors
@@ -52,8 +54,10 @@ from dflash_runtime.layers import prepare_for_inference
 from dflash_runtime.pipeline import Pipeline, load_pipeline
 from dflash_runtime.sampling import SamplingParams
 from dflash_runtime.target import TargetModel
+from dflash_tools.options import at_least
 from dflash_tools.prompts import sharegpt_conversations
-from dflash_training import memory
+from dflash_training import distributed, memory
+from dflash_training.distributed import Ranks, ranks_from_env
 from dflash_training.drafter_data import read_responses, training_sequence
 
 EXAMPLES = """examples:
@@ -204,7 +208,7 @@ CACHE_FORMAT = 2
 
 
 def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...], num_tokens: int,
-                    path: Path, source: dict) -> list[CachedSequence]:
+                    path: Path, source: dict, ranks: Ranks = Ranks()) -> list[CachedSequence]:
     """Target features of the first `num_tokens` training tokens (or all of them, one epoch, if
     fewer), computed once and kept in `path` (~7 KB per token). texts_from(skip) yields the training
     texts after the first `skip`; a cache made when there were fewer (the responses grew, or a larger
@@ -213,6 +217,8 @@ def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...],
     Training then draws batches from them. On SmolLM2-135M, 2 threads, the prefill was more than half
     of an online step (~4.5 s for 8 x 256 tokens), and the target's argmax labels through the
     49K-way head another large part: both are paid once per token here instead of once per visit.
+    Under torchrun each rank computes every world-th new text's features, and every rank then holds them all
+    (any rank may draw any sequence); rank 0 writes the file.
     """
     sequences, read = [], 0
     if path.is_file():
@@ -234,42 +240,70 @@ def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...],
         raise DFlashError("no training sequences of at least 32 tokens to cache")
     if not pending:
         return sequences
-    bar = tqdm(total=sum(len(ids) for ids, _ in pending), desc="cache target features", unit="tok")
     pending.sort(key=lambda text: len(text[0]))  # batches of similar lengths: little padding
-    for start in range(0, len(pending), 8):
-        batch = pending[start:start + 8]
+    computed = features_of(target, ranks.share(pending), layer_ids, ranks)
+    if ranks.distributed:
+        computed = gathered(computed, len(pending), path, ranks)
+    sequences += computed
+    if ranks.main:
+        # plain tuples: a pickled class would tie the file to the module that ran the trainer
+        torch.save({"format": CACHE_FORMAT, "source": source, "texts_read": read,
+                    "sequences": [tuple(c) for c in sequences]}, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    return sequences
+
+
+def features_of(target: TargetModel, texts: list[tuple[list[int], int]], layer_ids: tuple[int, ...],
+                ranks: Ranks) -> list[CachedSequence]:
+    """The cache entries of texts, in their order: prefills of 8 texts at a time."""
+    entries = []
+    bar = tqdm(total=sum(len(ids) for ids, _ in texts), desc="cache target features", unit="tok",
+               disable=not ranks.main)
+    for start in range(0, len(texts), 8):
+        batch = texts[start:start + 8]
         tokens, features, final = target_features(target, [ids for ids, _ in batch], layer_ids)
         for i, (ids, first) in enumerate(batch):
             n = len(ids)
             with torch.no_grad():
                 labels = target.lm_head(final[i, :n]).argmax(-1).cpu()
-            sequences.append(CachedSequence(tokens[i, :n].cpu(), features[i, :n].bfloat16().cpu(),
-                                            final[i, :n].bfloat16().cpu(), labels, first))
+            entries.append(CachedSequence(tokens[i, :n].cpu(), features[i, :n].bfloat16().cpu(),
+                                          final[i, :n].bfloat16().cpu(), labels, first))
             bar.update(n)
     bar.close()
-    # plain tuples: a pickled class would tie the file to the module that ran the trainer
-    torch.save({"format": CACHE_FORMAT, "source": source, "texts_read": read,
-                "sequences": [tuple(c) for c in sequences]}, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").replace(path)
-    return sequences
+    return entries
+
+
+def gathered(mine: list[CachedSequence], count: int, path: Path, ranks: Ranks) -> list[CachedSequence]:
+    """Every rank's share (Ranks.share of `count` entries) back in one list in the order of the whole, through
+    part files beside the cache (the output directory is shared by the ranks: it holds the checkpoints too)."""
+    part = path.with_name(f"{path.stem}.rank{ranks.rank}.tmp")
+    torch.save([tuple(c) for c in mine], part)
+    distributed.barrier()
+    shares = [[CachedSequence(*fields) for fields in torch.load(path.with_name(f"{path.stem}.rank{r}.tmp"),
+                                                                  weights_only=False)] for r in range(ranks.world)]
+    distributed.barrier()  # everyone has read every part
+    part.unlink()
+    return [shares[i % ranks.world][i // ranks.world] for i in range(count)]
 
 
 def sample_batch(sequences: list[CachedSequence], batch_size: int, generator: torch.Generator,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """A random batch from cached features, right-padded like target_features' output, plus labels.
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", ranks: Ranks = Ranks()):
+    """A random batch from cached features: the texts of the whole batch, and this rank's share of it right-padded
+    like target_features' output, plus labels.
 
     Assembled on the host (the cache lives there), then moved to `device` in one copy per tensor."""
-    picked = [sequences[i] for i in torch.randint(len(sequences), (batch_size,), generator=generator).tolist()]
+    drawn = [sequences[i] for i in torch.randint(len(sequences), (batch_size,), generator=generator).tolist()]
+    picked = ranks.share(drawn)
     T = max(len(c.tokens) for c in picked)
-    tokens = torch.zeros(batch_size, T, dtype=torch.long, device="cpu")
-    labels = torch.zeros(batch_size, T, dtype=torch.long, device="cpu")
-    features = torch.zeros(batch_size, T, picked[0].features.shape[-1], dtype=dtype, device="cpu")
-    final = torch.zeros(batch_size, T, picked[0].final.shape[-1], dtype=dtype, device="cpu")
+    tokens = torch.zeros(len(picked), T, dtype=torch.long, device="cpu")
+    labels = torch.zeros(len(picked), T, dtype=torch.long, device="cpu")
+    features = torch.zeros(len(picked), T, picked[0].features.shape[-1], dtype=dtype, device="cpu")
+    final = torch.zeros(len(picked), T, picked[0].final.shape[-1], dtype=dtype, device="cpu")
     for i, c in enumerate(picked):
         n = len(c.tokens)
         tokens[i, :n], features[i, :n], final[i, :n], labels[i, :n] = c.tokens, c.features, c.final, c.labels
     tensors = tuple(t.to(device, non_blocking=True) for t in (tokens, features, final, labels))
-    return [(c.tokens.tolist(), c.first_anchor) for c in picked], tensors
+    return [(c.tokens.tolist(), c.first_anchor) for c in drawn], tensors
 
 
 def drafter_hidden(drafter: DFlashDrafter, target: TargetModel, tokens, features, anchors, block_size: int):
@@ -303,16 +337,32 @@ def block_loss(drafter, target, tokens, features, final, lengths, block_size, an
     """Weighted CE over block positions 1..S-1 and per-position accuracy (correct, counted).
 
     first_anchors: per sequence, the first position a block may start at (default 1: the block must
-    have at least one context token).
+    have at least one context token); the anchors are drawn from generator (draw_anchors).
+    vocab_subset, soft_labels, labels: block_loss_terms.
+    """
+    anchors = draw_anchors(first_anchors or [1] * len(lengths), lengths, anchors_per_seq, generator).to(tokens.device)
+    hidden = drafter_hidden(drafter, target, tokens, features, anchors, block_size)
+    weighted, weight, correct, counted = block_loss_terms(hidden, target, tokens, final, lengths, anchors, block_size,
+                                                          decay, vocab_subset, soft_labels, labels)
+    return weighted / weight, correct, counted
+
+
+def block_loss_terms(hidden, target, tokens, final, lengths, anchors, block_size, decay,
+                     vocab_subset: torch.Tensor | None = None, soft_labels: bool = False,
+                     labels: torch.Tensor | None = None, vocab_union=lambda ids: ids):
+    """The block loss's parts for draft hidden states [B, A*S, H] at anchors [B, A]: (the weighted sum of the
+    per-token losses, the sum of their weights, correct and counted per block position); the loss is their ratio.
+
+    Apart, so that ranks that share a batch add up their sums before dividing (train_step).
     vocab_subset: train the softmax over these ids plus the batch's labels instead of the whole
-    vocabulary (the head is frozen and shared; evaluation always uses the whole vocabulary).
+    vocabulary (the head is frozen and shared; evaluation always uses the whole vocabulary); vocab_union(ids)
+    -> the batch's label ids of every rank (under torchrun), so that every rank's softmax runs over the same ids.
     soft_labels: match the target's distribution (over the same ids, KL divergence) instead of its
     argmax; the accuracy still counts argmax agreement, which is what greedy acceptance needs.
     labels: the target's argmax at every position [B, T], if known (cached): saves the full head.
     """
     S, device = block_size, tokens.device
-    anchors = draw_anchors(first_anchors or [1] * len(lengths), lengths, anchors_per_seq, generator).to(device)
-    hidden = drafter_hidden(drafter, target, tokens, features, anchors, S).unflatten(1, (anchors_per_seq, S))
+    hidden = hidden.unflatten(1, (anchors.shape[1], S))
     k = torch.arange(1, S, device=device)
     label_pos = anchors[:, :, None] + k - 1  # the target's prediction for block position k
     valid = label_pos < torch.tensor(lengths, device=device)[:, None, None] - 1
@@ -325,7 +375,7 @@ def block_loss(drafter, target, tokens, features, final, lengths, block_size, an
             target_ids = target.lm_head(label_final).argmax(-1)
     head = target.lm_head.weight
     if vocab_subset is not None:
-        ids = torch.unique(torch.cat([vocab_subset, target_ids]))
+        ids = torch.unique(torch.cat([vocab_subset, vocab_union(target_ids)]))
         head = head[ids]
         target_ids = torch.searchsorted(ids, target_ids)
     # the softmax and the loss in float32 whatever the matmuls ran in (bf16 autocast, a bf16 target)
@@ -337,12 +387,11 @@ def block_loss(drafter, target, tokens, features, final, lengths, block_size, an
         per_token = F.kl_div(logits.log_softmax(-1), target_log_probs, reduction="none", log_target=True).sum(-1)
     else:
         per_token = F.cross_entropy(logits, target_ids, reduction="none")
-    loss = (per_token * weights).sum() / weights.sum()
     hits = (logits.argmax(-1) == target_ids)
     position = k.expand_as(label_pos)[valid] - 1
     correct = torch.zeros(S - 1, device=device).index_add_(0, position, hits.float())
     counted = torch.zeros(S - 1, device=device).index_add_(0, position, torch.ones_like(hits, dtype=torch.float))
-    return loss, correct.cpu(), counted.cpu()
+    return (per_token * weights).sum(), weights.sum(), correct.cpu(), counted.cpu()
 
 
 def draw_anchors(first_anchors: list[int], lengths: list[int], count: int, generator: torch.Generator):
@@ -367,9 +416,26 @@ def estimated_acceptance(correct: torch.Tensor, counted: torch.Tensor) -> float:
     return tau
 
 
+class BlockDrafting(torch.nn.Module):
+    """drafter_hidden as one module call, which DistributedDataParallel wraps under torchrun: its backward
+    all-reduces the drafter's gradients. The frozen target is held outside the module's tree, so that DDP neither
+    broadcasts nor watches its weights."""
+
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel):
+        super().__init__()
+        self.drafter, self.frozen = drafter, (target,)
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        return drafter_hidden(self.drafter, self.frozen[0], tokens, features, anchors, self.drafter.config.block_size)
+
+
 @dataclasses.dataclass
 class TrainingRun:
-    """A training session: the models, the optimizer, and where training stands (what checkpoint.pt keeps)."""
+    """A training session: the models, the optimizer, and where training stands (what checkpoint.pt keeps).
+
+    Under torchrun every rank holds one: the same drafter, optimizer and generator (the generator draws for the
+    whole global batch on every rank, so that the ranks agree on anchors and cached draws without talking, and a
+    checkpoint resumes at any world size), and its own share of each batch's sequences."""
     args: argparse.Namespace
     out: Path
     pipe: Pipeline
@@ -377,12 +443,15 @@ class TrainingRun:
     drafter: DFlashDrafter
     optimizer: torch.optim.Optimizer
     rng: torch.Generator
+    ranks: Ranks
+    forward: torch.nn.Module  # BlockDrafting, in DistributedDataParallel under torchrun
     step: int = 0
     seen_texts: int = 0  # the data cursor: texts read in the current epoch
     seen_tokens: int = 0
     cpu_seconds: float = 0.0  # spent training in earlier sessions
     session_cpu: float = 0.0  # time.process_time() when this session's training began
     session_wall: float = 0.0  # time.time() when this session's training began
+    last_loss: float | None = None  # the last step's training loss (over the whole batch)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -399,22 +468,30 @@ class HeldOut(NamedTuple):
 
 
 def train(args: argparse.Namespace) -> None:
-    """Train the drafter args describe, or resume it, until --steps or --max-minutes; export it to <output>/drafter."""
+    """Train the drafter args describe, or resume it, until --steps or --max-minutes; export it to <output>/drafter.
+
+    Under torchrun: rank 0 evaluates, writes the learning curve and the checkpoints; every rank trains."""
     run = start_run(args)
-    heldout = heldout_data(run)
-    vocab_subset = frequent_tokens(run.pipe, args.train_vocab, args.responses) if args.train_vocab else None
-    if vocab_subset is not None:
-        vocab_subset = vocab_subset.to(args.device)
-    next_batch = batch_source(run)
-    print(memory.describe(estimated_memory(run, vocab_subset), free_device_memory(args.device)), file=sys.stderr)
-    with (run.out / "learning_curve.jsonl").open("a") as curve:
-        run.session_cpu, run.session_wall = time.process_time(), time.time()
-        if run.step == 0 and args.init and curve.tell() == 0:
-            evaluate_and_record(run, heldout, curve)  # where a continued drafter starts, measured as this run measures
-        training_loop(run, next_batch, vocab_subset, heldout, curve)
-    save_checkpoint(run)
-    print(f"exported drafter to {run.out / 'drafter'} after {run.step} steps ({run.seen_tokens} tokens)",
-          file=sys.stderr)
+    try:
+        heldout = heldout_data(run) if run.ranks.main else None
+        vocab_subset = frequent_tokens(run.pipe, args.train_vocab, args.responses) if args.train_vocab else None
+        if vocab_subset is not None:
+            vocab_subset = vocab_subset.to(args.device)
+        next_batch = batch_source(run)
+        if run.ranks.main:
+            print(memory.describe(estimated_memory(run, vocab_subset), free_device_memory(args.device)),
+                  file=sys.stderr)
+        with (run.out / "learning_curve.jsonl").open("a") if run.ranks.main else contextlib.nullcontext() as curve:
+            run.session_cpu, run.session_wall = time.process_time(), time.time()
+            if run.ranks.main and run.step == 0 and args.init and curve.tell() == 0:
+                evaluate_and_record(run, heldout, curve)  # where a continued drafter starts, as this run measures
+            training_loop(run, next_batch, vocab_subset, heldout, curve)
+        if run.ranks.main:
+            save_checkpoint(run)
+            print(f"exported drafter to {run.out / 'drafter'} after {run.step} steps ({run.seen_tokens} tokens)",
+                  file=sys.stderr)
+    finally:
+        distributed.leave()
 
 
 def start_run(args: argparse.Namespace) -> TrainingRun:
@@ -422,7 +499,11 @@ def start_run(args: argparse.Namespace) -> TrainingRun:
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
+    ranks = ranks_from_env()
+    check_options(args, ranks)
+    args.device = ranks.device(args.device)
     check_device(args.device)
+    distributed.join(ranks, args.device)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     pipe = load_pipeline(args.target, drafter=None, dtype=args.dtype, device=args.device)
@@ -432,21 +513,34 @@ def start_run(args: argparse.Namespace) -> TrainingRun:
     drafter = initial_drafter(args, target)
     args.decay = args.decay or recipe_decay(drafter.config.block_size)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    run = TrainingRun(args, out, pipe, target, drafter, optimizer, torch.Generator().manual_seed(args.seed))
+    forward = BlockDrafting(drafter, target)
+    run = TrainingRun(args, out, pipe, target, drafter, optimizer, torch.Generator().manual_seed(args.seed), ranks,
+                      forward)
     if run.checkpoint_path.is_file():
         resume(run)
+    if ranks.distributed:  # after resuming: DDP starts every rank from rank 0's weights
+        run.forward = DistributedDataParallel(
+            forward, device_ids=[torch.device(args.device).index] if torch.device(args.device).type == "cuda" else None)
     return run
 
 
+def check_options(args: argparse.Namespace, ranks: Ranks) -> None:
+    """What argparse's types cannot see alone, refused before the target loads (and before any step is lost)."""
+    if args.batch_size < ranks.world:
+        raise DFlashError(f"--batch-size {args.batch_size} (the global batch) is smaller than the {ranks.world} "
+                          "ranks: every rank needs at least one sequence per step")
+
+
 def estimated_memory(run: TrainingRun, vocab_subset: torch.Tensor | None) -> dict[str, float]:
-    """dflash_training.memory's estimate for this run's options (GiB by part)."""
+    """dflash_training.memory's estimate for this run's options (GiB by part), on one rank."""
     args, target, config = run.args, run.target, run.drafter.config
     # by storage: a tied embedding and head are one tensor
     weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                    for t in target.state_dict().values()}.values())
     softmax = len(vocab_subset) + args.batch_size * args.anchors if vocab_subset is not None else \
         target.config.shape.vocab_size
-    sizes = memory.StepSizes(args.batch_size, args.seq_len, args.anchors, config.block_size, config.shape.num_layers,
+    per_rank = -(-args.batch_size // run.ranks.world)  # the largest share of the batch
+    sizes = memory.StepSizes(per_rank, args.seq_len, args.anchors, config.block_size, config.shape.num_layers,
                              len(config.target_layer_ids), softmax, 2 if args.dtype == "bfloat16" else 4)
     return memory.step_memory(target.config.shape, weights, sizes)
 
@@ -511,7 +605,8 @@ def heldout_data(run: TrainingRun) -> HeldOut:
 
 
 def batch_source(run: TrainingRun):
-    """A function returning the next batch: (texts, (tokens, features, final, labels), data cursor).
+    """A function returning the next batch: (the whole batch's texts, this rank's share of them as (tokens,
+    features, final, labels), data cursor).
 
     Without a feature cache: the next texts and one target prefill (labels None: computed in the
     loss). With --feature-cache: a random draw from the cached features (the cursor stays).
@@ -523,56 +618,89 @@ def batch_source(run: TrainingRun):
     if not args.feature_cache:
         batches = training_batches(texts_from, args.batch_size, run.seen_texts)
 
-        def next_texts():
+        def next_texts():  # every rank reads the whole batch's texts, and runs the target on its share only
             batch, cursor = next(batches)
-            tokens, features, final = target_features(run.target, [ids for ids, _ in batch], layer_ids)
+            tokens, features, final = target_features(run.target, [ids for ids, _ in run.ranks.share(batch)],
+                                                      layer_ids)
             return batch, (tokens, features, final, None), cursor
         return next_texts
     source = {"data": str(Path(args.responses).resolve()) if args.responses else "sharegpt", "seq_len": args.seq_len,
               "target_layer_ids": list(layer_ids)}
     if args.answer_only and not args.responses:  # the key only where it changes the cache: older caches stay valid
         source["answer_only"] = True
-    cache = cached_features(run.target, texts_from, layer_ids, args.feature_cache, run.out / "features.pt", source)
-    return lambda: (*sample_batch(cache, args.batch_size, run.rng, run.target.dtype, args.device), run.seen_texts)
+    cache = cached_features(run.target, texts_from, layer_ids, args.feature_cache, run.out / "features.pt", source,
+                            run.ranks)
+    return lambda: (*sample_batch(cache, args.batch_size, run.rng, run.target.dtype, args.device, run.ranks),
+                    run.seen_texts)
 
 
-def training_loop(run: TrainingRun, next_batch, vocab_subset: torch.Tensor | None, heldout: HeldOut, curve) -> None:
-    """Steps until --steps or --max-minutes, evaluating every --eval-every and saving every --save-every."""
-    args = run.args
-    bar = tqdm(total=args.steps, initial=run.step, desc="train drafter", unit="step")
-    while run.step < args.steps and (time.time() - run.session_wall) / 60 < args.max_minutes:
+def training_loop(run: TrainingRun, next_batch, vocab_subset: torch.Tensor | None, heldout: HeldOut | None,
+                  curve) -> None:
+    """Steps until --steps or --max-minutes, saving every --save-every and evaluating every --eval-every (rank 0;
+    the checkpoint first: an evaluation that fails loses no training)."""
+    args, main = run.args, run.ranks.main
+    bar = tqdm(total=args.steps, initial=run.step, desc="train drafter", unit="step", disable=not main)
+    while run.step < args.steps and not out_of_time(run):
         batch, tensors, run.seen_texts = next_batch()
         loss, correct, counted = train_step(run, batch, tensors, vocab_subset)
         acc = (correct / counted.clamp_min(1))
-        bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0]:.2f}", acc4=f"{acc[3]:.2f}" if len(acc) > 3 else "-")
+        bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{acc[0]:.2f}", acc4=f"{acc[3]:.2f}" if len(acc) > 3 else "-")
         bar.update()
-        if run.step % args.eval_every == 0 or run.step == args.steps:
-            evaluate_and_record(run, heldout, curve)
-        if run.step % args.save_every == 0 or run.step == args.steps:
+        if main and (run.step % args.save_every == 0 or run.step == args.steps):
             save_checkpoint(run)
+        if main and (run.step % args.eval_every == 0 or run.step == args.steps):
+            evaluate_and_record(run, heldout, curve)
     bar.close()
 
 
+def out_of_time(run: TrainingRun) -> bool:
+    """--max-minutes spent, as rank 0's clock says: every rank stops after the same step."""
+    spent = (time.time() - run.session_wall) / 60 >= run.args.max_minutes
+    if not run.ranks.distributed:
+        return spent
+    return bool(distributed.all_sum(torch.tensor([float(spent and run.ranks.main)])).item())
+
+
 def train_step(run: TrainingRun, batch: list[tuple[list[int], int]], tensors, vocab_subset: torch.Tensor | None):
-    """One optimizer step (warmup learning rate, block loss, clipped gradient) -> (loss, correct, counted)."""
-    args, drafter = run.args, run.drafter
+    """One optimizer step (warmup learning rate, block loss, clipped gradient) -> (loss, correct, counted), each over
+    the whole batch.
+
+    batch: the whole batch's texts; tensors: this rank's share of them. The anchors are drawn for the whole batch
+    on every rank (the same generator everywhere) and each rank takes its share's. Each rank's loss is its weighted
+    sum over the whole batch's weight, times the world size: DDP averages the gradients over the ranks, so the
+    step is the one a single process would take on the whole batch."""
+    args, drafter, ranks = run.args, run.drafter, run.ranks
     tokens, features, final, labels = tensors
     lr = args.lr * min(1.0, (run.step + 1) / args.warmup)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
+    anchors = ranks.share(draw_anchors([first for _, first in batch], [len(ids) for ids, _ in batch], args.anchors,
+                                       run.rng)).to(tokens.device)
+    lengths = [len(ids) for ids, _ in ranks.share(batch)]
     drafter.train()
     with autocast(args):
-        loss, correct, counted = block_loss(drafter, run.target, tokens, features, final,
-                                            [len(ids) for ids, _ in batch], drafter.config.block_size, args.anchors,
-                                            args.decay, run.rng, vocab_subset, soft_labels=not args.hard_labels,
-                                            first_anchors=[first for _, first in batch], labels=labels)
+        hidden = run.forward(tokens, features, anchors)
+        weighted, weight, correct, counted = block_loss_terms(
+            hidden, run.target, tokens, final, lengths, anchors, drafter.config.block_size, args.decay,
+            vocab_subset, soft_labels=not args.hard_labels, labels=labels, vocab_union=lambda ids: label_union(ids, run.target.lm_head.weight.shape[0], ranks))
+    total_weight = distributed.all_sum(weight.detach())
     run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    (weighted * ranks.world / total_weight).backward()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
     run.optimizer.step()
     run.step += 1
     run.seen_tokens += sum(len(ids) for ids, _ in batch)
-    return loss, correct, counted
+    run.last_loss = (distributed.all_sum(weighted.detach()) / total_weight).item()
+    return run.last_loss, distributed.all_sum(correct), distributed.all_sum(counted)
+
+
+def label_union(ids: torch.Tensor, vocab_size: int, ranks: Ranks) -> torch.Tensor:
+    """The label ids of every rank's share (ids itself for one process), through a vocabulary-sized count."""
+    if not ranks.distributed:
+        return ids
+    present = torch.zeros(vocab_size, dtype=torch.int32, device=ids.device)
+    present[ids] = 1
+    return distributed.all_sum(present).nonzero().flatten()
 
 
 def _heldout_batch(pipe: Pipeline, seq_len: int, n: int) -> list[list[int]]:
@@ -599,7 +727,9 @@ def measured_acceptance(drafter: DFlashDrafter, target: TargetModel, prompts: li
 
 
 def evaluate(run: TrainingRun, heldout: HeldOut) -> dict:
-    """A learning-curve record: held-out loss, accuracy by block position, tau estimated and measured."""
+    """A learning-curve record: the last step's training loss, held-out loss, accuracy by block position, tau
+    estimated and (with --tau-prompts) measured. cpu_hours are rank 0's under torchrun (world_size says how many
+    ranks trained the last step)."""
     drafter, args = run.drafter, run.args
     drafter.eval()
     tokens, features, final = heldout.features
@@ -608,16 +738,20 @@ def evaluate(run: TrainingRun, heldout: HeldOut) -> dict:
         loss, correct, counted = block_loss(drafter, run.target, tokens, features, final,
                                             [len(b) for b in heldout.texts], drafter.config.block_size, args.anchors,
                                             args.decay, generator)
-    return {
+    record = {
         "step": run.step,
         "tokens_seen": run.seen_tokens,
         "cpu_hours": round(run.total_cpu_seconds() / 3600, 4),
+        "world_size": run.ranks.world,
+        **({"train_loss": round(run.last_loss, 4)} if run.last_loss is not None else {}),
         "heldout_loss": round(loss.item(), 4),
         "heldout_accuracy_by_position": [round(x, 4) for x in (correct / counted.clamp_min(1)).tolist()],
         "heldout_estimated_tau": round(estimated_acceptance(correct, counted), 3),
-        "heldout_measured_tau": round(measured_acceptance(drafter, run.target, heldout.prompts,
-                                                          drafter.config.block_size), 3),
     }
+    if heldout.prompts:
+        record["heldout_measured_tau"] = round(measured_acceptance(drafter, run.target, heldout.prompts,
+                                                                   drafter.config.block_size), 3)
+    return record
 
 
 def evaluate_and_record(run: TrainingRun, heldout: HeldOut, curve) -> None:
@@ -626,9 +760,10 @@ def evaluate_and_record(run: TrainingRun, heldout: HeldOut, curve) -> None:
     curve.write(json.dumps(record) + "\n")
     curve.flush()
     plot_learning_curve(run.out / "learning_curve.jsonl", run.out / "learning_curve.png")
+    measured = f", measured {record['heldout_measured_tau']:.2f}" if "heldout_measured_tau" in record else ""
     tqdm.write(f"step {run.step}: held-out loss {record['heldout_loss']:.3f}, "
                f"acc@1 {record['heldout_accuracy_by_position'][0]:.3f}, tau estimated "
-               f"{record['heldout_estimated_tau']:.2f}, measured {record['heldout_measured_tau']:.2f}")
+               f"{record['heldout_estimated_tau']:.2f}{measured}")
 
 
 def plot_learning_curve(curve_path: Path, png_path: Path) -> None:
@@ -671,38 +806,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="directory for checkpoint.pt, learning_curve.jsonl and drafter/")
     p.add_argument("--responses", help="train on the target's own responses in this dflash-drafter-data directory "
                    "(default: ShareGPT replies)")
-    p.add_argument("--feature-cache", type=int, default=0, metavar="TOKENS",
+    p.add_argument("--feature-cache", type=at_least(0), default=0, metavar="TOKENS",
                    help="compute the target's features of this many training tokens (at most one epoch) once, "
                    "keep them in <output>/features.pt and draw every batch from them; a later run extends the cache "
                    "with responses added since (delete it to rebuild); 0 = a fresh prefill per step")
     p.add_argument("--hard-labels", action="store_true", help="the target's argmax as label, not its softmax")
     p.add_argument("--init", help="start from this exported drafter's weights (its config fixes the architecture)")
-    p.add_argument("--draft-layers", type=int, default=2)
-    p.add_argument("--block-size", type=int, help="tokens per drafted block (default: 16, or the --init drafter's)")
-    p.add_argument("--mask-token-id", type=int, default=16,
+    p.add_argument("--draft-layers", type=at_least(1), default=2)
+    p.add_argument("--block-size", type=at_least(2),
+                   help="tokens per drafted block (default: 16, or the --init drafter's)")
+    p.add_argument("--mask-token-id", type=at_least(0), default=16,
                    help="a real vocabulary id that prompts never use (SmolLM2: 16 = <empty_output>)")
-    p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: --num-target-features spread evenly")
-    p.add_argument("--num-target-features", type=int, default=5)
-    p.add_argument("--steps", type=int, default=100000)
-    p.add_argument("--max-minutes", type=float, default=float("inf"), help="stop (and save) after this long")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
+    p.add_argument("--target-layer-ids", type=at_least(0), nargs="+",
+                   help="default: --num-target-features spread evenly")
+    p.add_argument("--num-target-features", type=at_least(1), default=5)
+    p.add_argument("--steps", type=at_least(1), default=100000)
+    p.add_argument("--max-minutes", type=at_least(0, float), default=float("inf"),
+                   help="stop (and save) after this long")
+    p.add_argument("--batch-size", type=at_least(1), default=4,
+                   help="sequences per step (under torchrun: in all, shared by the ranks)")
+    p.add_argument("--seq-len", type=at_least(32), default=256)
+    p.add_argument("--anchors", type=at_least(1), default=16, help="blocks per sequence per step")
     p.add_argument("--answer-only", action="store_true",
                    help="ShareGPT data: blocks start in the reply only (--responses data always trains that way)")
-    p.add_argument("--train-vocab", type=int, default=8192,
+    p.add_argument("--train-vocab", type=at_least(0), default=8192,
                    help="softmax over the N most frequent reply tokens plus the batch's labels (0 = whole vocabulary)")
-    p.add_argument("--decay", type=float, help="position weight exp(-(k-1)/decay) (default: 1 + 3 * block / 8, "
-                   "ModelOpt's recipe: 4 at block 8, 7 at block 16)")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--tau-prompts", type=int, default=4,
-                   help="held-out prompts decoded at each evaluation to measure tau")
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--decay", type=at_least(1e-6, float), help="position weight exp(-(k-1)/decay) (default: "
+                   "1 + 3 * block / 8, ModelOpt's recipe: 4 at block 8, 7 at block 16)")
+    p.add_argument("--lr", type=at_least(0, float), default=6e-4)
+    p.add_argument("--warmup", type=at_least(1), default=100)
+    p.add_argument("--eval-every", type=at_least(1), default=100)
+    p.add_argument("--tau-prompts", type=at_least(0), default=4,
+                   help="held-out prompts decoded at each evaluation to measure tau (0: no measured tau, only the "
+                   "estimate)")
+    p.add_argument("--save-every", type=at_least(1), default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
-    p.add_argument("--device", default="cpu", help="where the target and the drafter run: cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0 = all cores)")
+    p.add_argument("--device", default="cpu", help="where the target and the drafter run: cpu, cuda (under "
+                   "torchrun: each rank on its node's GPU LOCAL_RANK), cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the frozen target's weights and features, and bf16 autocast of the drafter's forward "
                    "(its weights, optimizer and loss stay float32); bfloat16 is for GPUs")
