@@ -115,9 +115,12 @@ def test_two_ranks_answer_their_own_prompts_and_a_run_of_another_size_resumes_af
 
 
 def test_server_answers_equal_the_in_process_ones_on_the_embedded_default(tmp_path, default_server):
-    """dflash-drafter-data --server against the project's gateway: the same prompt ids and, re-tokenised, the same
-    greedy answer ids as the target in this process, and the server's own token count agrees."""
+    """dflash-drafter-data --server against the project's gateway: the same prompt ids and the same greedy answers
+    as the target in this process: the same ids, or (the documented re-tokenisation difference, seen on 2 of 32
+    answers of 64 tokens: the model emits "\\n\\n" as one token, its tokenizer encodes it as two) the same text, with
+    the server's own count equal to the sampled ids'."""
     server, local = tmp_path / "server", tmp_path / "local"
+    tokenizer = load_tokenizer(resolve_target("smollm2-135m")[0])
     common = ["--num-prompts", "6", "--max-new-tokens", "12", "--max-prompt-tokens", "64"]
     assert drafter_data.main(common + ["--output", str(server), "--server", f"{default_server.gateway.url}/v1",
                                        "--concurrency", "4"]) == 0
@@ -128,10 +131,11 @@ def test_server_answers_equal_the_in_process_ones_on_the_embedded_default(tmp_pa
     for key, record in made.items():
         answer = served[key]
         assert answer["prompt_ids"] == record["prompt_ids"]
-        assert answer["response_ids"] == record["response_ids"], key
         assert answer["finish_reason"] == record["finish_reason"] and answer["response_ids_from"] == "text"
         eos = answer["finish_reason"] == "stop"
-        assert answer["server_completion_tokens"] == len(answer["response_ids"]) - eos
+        assert answer["server_completion_tokens"] == len(record["response_ids"]) - eos, key
+        if answer["response_ids"] != record["response_ids"]:
+            assert tokenizer.decode(answer["response_ids"]) == tokenizer.decode(record["response_ids"]), key
 
 
 def test_a_server_that_cannot_answer_is_named_and_loses_nothing(tmp_path, default_server, capsys):
