@@ -2,6 +2,7 @@
 exports, strict loading, GGUF to HF."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -154,13 +155,17 @@ def materialize_gguf(gguf_file: Path, name: str) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     forget_gguf_quantization(model, gguf_file.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    tmp = out.with_name(out.name + ".tmp")
+    # one folder per process: the ranks of a torchrun launch may all convert at once
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / ".source").write_text(stamp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    if not ((out / ".source").is_file() and (out / ".source").read_text() == stamp):  # else: another process won
+        shutil.rmtree(out, ignore_errors=True)
+        with contextlib.suppress(OSError):  # one that renamed its copy in between, which is as good
+            tmp.rename(out)
+    shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

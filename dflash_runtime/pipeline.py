@@ -67,13 +67,13 @@ class Pipeline:
 
 
 def load_pipeline(target: str, drafter: str | None = "preset", dtype: str = "float32",
-                  device: str = "cpu") -> Pipeline:
+                  device: str = "cpu", prepare: bool = True) -> Pipeline:
     """drafter: "preset" takes the preset's drafter (none for a plain directory), None runs without one.
-    device and dtype may be "auto" (resolve_device, resolve_dtype)."""
+    device and dtype may be "auto" (resolve_device, resolve_dtype); prepare: load_target's."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     target_dir, preset = resolve_target(target)
-    model = load_target(target_dir, DTYPES[dtype], device)
+    model = load_target(target_dir, DTYPES[dtype], device, prepare)
     if drafter == "preset":
         drafter = preset.drafter if preset else None
     draft_model = load_drafter(resolve_checkpoint(drafter), model.config, DTYPES[dtype], device) if drafter else None

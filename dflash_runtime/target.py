@@ -102,7 +102,10 @@ class TargetModel(nn.Module):
         return (self.lm_head(h) if apply_head else h), features
 
 
-def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TargetModel:
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                prepare: bool = True) -> TargetModel:
+    """prepare=False: the checkpoint's own modules, unfused and unsplit (frozen all the same), for a target whose
+    parameters are sharded afterwards: a fused linear's parts are views of it, which sharding would copy."""
     path = Path(path)
     config = TargetConfig.from_dir(path)
     with torch.device("meta"):
@@ -113,5 +116,6 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     load_weights(model, state, str(path), dtype, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    prepare_for_inference(model)
-    return model.eval()
+    if prepare:
+        prepare_for_inference(model)
+    return model.requires_grad_(False).eval()

@@ -74,6 +74,18 @@ def all_sum(tensor: torch.Tensor) -> torch.Tensor:
     return total.to(tensor.device)
 
 
+def shard(modules, device: str) -> None:
+    """Shard each module's parameters across the ranks onto `device` (FSDP2's fully_shard, one unit per module): a
+    module's forward gathers its whole weights, runs, and frees them again. For frozen modules: nothing here reduces
+    gradients. Every rank must then run the same sequence of forwards: each is a collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    for module in modules:
+        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -138,11 +138,13 @@ def generate(args: argparse.Namespace) -> dict:
     target_dir, _ = resolve_target(args.target)
     if args.server:
         tokenizer = load_tokenizer(target_dir)
-        answer = functools.partial(server_pass, tokenizer, TargetConfig.from_dir(target_dir).eos_token_ids[:1])
+        answer = functools.partial(server_pass, tokenizer, TargetConfig.from_dir(target_dir).eos_token_ids[:1],
+                                   ranks=ranks)
     else:
         pipe = load_pipeline(args.target, drafter=None, dtype=args.dtype, device=ranks.device(args.device))
         tokenizer, answer = pipe.tokenizer, functools.partial(run_pass, pipe.engine(
-            block_size=1, max_batch_size=args.batch_size, max_context=args.max_prompt_tokens + args.max_new_tokens))
+            block_size=1, max_batch_size=args.batch_size, max_context=args.max_prompt_tokens + args.max_new_tokens),
+            ranks=ranks)
     if tokenizer is None:
         raise DFlashError(f"{target_dir} has no tokenizer; prompts are text")
     path = responses_path(out, ranks)
@@ -177,12 +179,12 @@ def seed_of(key: dict, temperature: float) -> int | None:
 
 
 def run_pass(engine, prompts, temperature: float, args: argparse.Namespace, budget: int, started: float,
-             f) -> tuple[int, int]:
+             f, ranks: Ranks = Ranks()) -> tuple[int, int]:
     """Continuous batching: keep --batch-size requests in the engine, write each response as it finishes.
 
     -> (responses written, their tokens); budget: the most responses to write."""
     key_of, written, tokens = {}, 0, 0
-    bar = progress(budget, temperature)
+    bar = progress(budget, temperature, ranks)
     while True:
         out_of_time = (time.time() - started) / 60 >= args.max_minutes
         # key_of holds the requests in flight
@@ -210,7 +212,7 @@ def run_pass(engine, prompts, temperature: float, args: argparse.Namespace, budg
 
 
 def server_pass(tokenizer, eos: tuple[int, ...], prompts, temperature: float, args: argparse.Namespace, budget: int,
-                started: float, f) -> tuple[int, int]:
+                started: float, f, ranks: Ranks = Ranks()) -> tuple[int, int]:
     """The pass's prompts sent to --server, --concurrency in flight; each answer written as it comes.
 
     -> (responses written, their tokens). The records' ids are the target tokenizer's, of the answer's text, and
@@ -218,7 +220,7 @@ def server_pass(tokenizer, eos: tuple[int, ...], prompts, temperature: float, ar
     server = server_answers.Server(args.server.rstrip("/"), args.model, args.api_key, args.concurrency,
                                    args.retries, args.request_timeout)
     taken = 0
-    bar = progress(budget, temperature)
+    bar = progress(budget, temperature, ranks)
 
     def requests():  # the prompts, until the budget or the time is spent
         nonlocal taken
@@ -256,8 +258,7 @@ def server_pass(tokenizer, eos: tuple[int, ...], prompts, temperature: float, ar
         bar.close()
 
 
-def progress(total: int, temperature: float) -> tqdm:
-    ranks = ranks_from_env()
+def progress(total: int, temperature: float, ranks: Ranks) -> tqdm:
     where = f" rank {ranks.rank}" if ranks.distributed else ""
     return tqdm(total=total, desc=f"target responses{where} (temperature {temperature:g})", unit="prompt")
 

@@ -60,9 +60,9 @@ def step_memory(target: TransformerShape, target_weight_bytes: int, sizes: StepS
     return {**parts, "total": sum(parts.values())}
 
 
-def describe(parts: dict[str, float], free: float | None = None) -> str:
+def describe(parts: dict[str, float], free: float | None = None, sharded: bool = False) -> str:
     """One line for the log: each part and the total, the device's free memory if known, and what to change when
-    the step does not fit it."""
+    the step does not fit it. sharded: the target's layers are sharded across the ranks (--shard-target)."""
     shown = ", ".join(f"{name} {size:.2f}" for name, size in parts.items() if name != "total")
     room = f" of {free:.1f} GiB free" if free is not None else ""
     line = f"estimated memory per step: {parts['total']:.2f} GiB{room} ({shown})"
@@ -71,6 +71,8 @@ def describe(parts: dict[str, float], free: float | None = None) -> str:
     if parts["target weights"] + parts["drafter + AdamW"] < free:
         return line + ("; it does not fit: lower --batch-size, --anchors or --seq-len, or train on more ranks "
                        "(torchrun: the batch splits across them, each rank's share is what is estimated here)")
-    return line + ("; it does not fit, whatever the batch: the frozen target's weights are whole on every rank, and "
-                   "a target that leaves no room for the drafter needs them sharded (FSDP), which this trainer does not "
-                   "do: train on a device with more memory")
+    if sharded:
+        return line + ("; it does not fit, whatever the batch, even with the target's layers sharded: train on more "
+                       "ranks (each holds 1/N of the layers) or on devices with more memory")
+    return line + ("; it does not fit, whatever the batch: the frozen target's weights are whole on every rank; under "
+                   "torchrun, --shard-target shards its layers across the ranks (each holds 1/N of them)")

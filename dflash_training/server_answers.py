@@ -15,6 +15,7 @@ keep the server's own count (server_completion_tokens) so that a difference show
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ async def ask(session, server: Server, model: str, text: str, max_tokens: int, t
 
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "temperature": temperature, **({"seed": seed} if seed is not None else {})}
-    for attempt in range(server.retries + 1):
+    for attempt in itertools.count():  # the last try returns or raises
         last = attempt == server.retries
         try:
             async with session.post(f"{server.url}/chat/completions", json=body) as reply:
@@ -66,7 +67,6 @@ async def ask(session, server: Server, model: str, text: str, max_tokens: int, t
                 raise DFlashError(f"{server.url}: no answer after {server.retries + 1} tries ({e or type(e).__name__})")
             delay = retry_after(None, attempt)
         await asyncio.sleep(delay)
-    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def retry_after(header: str | None, attempt: int) -> float:

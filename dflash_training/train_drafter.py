@@ -26,6 +26,10 @@ options: --block-size 8 (decay 4, the default for 8) or 16 (decay 7), --anchors 
 
 Checkpoints (model, optimizer, data cursor, RNG) are written every --save-every steps and training
 resumes from them; --max-minutes bounds a session. A JSONL learning curve records every evaluation.
+
+Under torchrun the ranks share each global batch with DistributedDataParallel over the drafter (a step is the one
+process's step on the whole batch; checkpoints resume at any world size), and --shard-target shards the frozen
+target's decoder layers across them (FSDP2) where it does not fit one device beside the drafter.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -241,7 +246,8 @@ def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...],
     if not pending:
         return sequences
     pending.sort(key=lambda text: len(text[0]))  # batches of similar lengths: little padding
-    computed = features_of(target, ranks.share(pending), layer_ids, ranks)
+    prefills = -(-len(pending[::ranks.world]) // 8)  # the largest share's: rank 0's
+    computed = features_of(target, ranks.share(pending), layer_ids, ranks, prefills, spare=pending[0])
     if ranks.distributed:
         computed = gathered(computed, len(pending), path, ranks)
     sequences += computed
@@ -254,13 +260,19 @@ def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...],
 
 
 def features_of(target: TargetModel, texts: list[tuple[list[int], int]], layer_ids: tuple[int, ...],
-                ranks: Ranks) -> list[CachedSequence]:
-    """The cache entries of texts, in their order: prefills of 8 texts at a time."""
+                ranks: Ranks, prefills: int, spare: tuple[list[int], int]) -> list[CachedSequence]:
+    """The cache entries of texts, in their order: prefills of 8 texts at a time.
+
+    Every rank runs `prefills` of them, its share's or more (a sharded target's prefill is a collective that every
+    rank must join): past its own texts a rank prefills `spare` and keeps nothing of it."""
     entries = []
     bar = tqdm(total=sum(len(ids) for ids, _ in texts), desc="cache target features", unit="tok",
                disable=not ranks.main)
-    for start in range(0, len(texts), 8):
+    for start in range(0, 8 * prefills, 8):
         batch = texts[start:start + 8]
+        if not batch:
+            target_features(target, [spare[0]], layer_ids)
+            continue
         tokens, features, final = target_features(target, [ids for ids, _ in batch], layer_ids)
         for i, (ids, first) in enumerate(batch):
             n = len(ids)
@@ -454,6 +466,10 @@ class TrainingRun:
     last_loss: float | None = None  # the last step's training loss (over the whole batch)
 
     @property
+    def sharded_target(self) -> bool:
+        return self.args.shard_target and self.ranks.distributed
+
+    @property
     def checkpoint_path(self) -> Path:
         return self.out / "checkpoint.pt"
 
@@ -473,14 +489,15 @@ def train(args: argparse.Namespace) -> None:
     Under torchrun: rank 0 evaluates, writes the learning curve and the checkpoints; every rank trains."""
     run = start_run(args)
     try:
-        heldout = heldout_data(run) if run.ranks.main else None
+        # a sharded target's prefill needs every rank; rank 0 alone evaluates the drafter on the features
+        heldout = heldout_data(run) if run.ranks.main or run.sharded_target else None
         vocab_subset = frequent_tokens(run.pipe, args.train_vocab, args.responses) if args.train_vocab else None
         if vocab_subset is not None:
             vocab_subset = vocab_subset.to(args.device)
         next_batch = batch_source(run)
         if run.ranks.main:
-            print(memory.describe(estimated_memory(run, vocab_subset), free_device_memory(args.device)),
-                  file=sys.stderr)
+            print(memory.describe(estimated_memory(run, vocab_subset), free_device_memory(args.device),
+                                  run.sharded_target), file=sys.stderr)
         with (run.out / "learning_curve.jsonl").open("a") if run.ranks.main else contextlib.nullcontext() as curve:
             run.session_cpu, run.session_wall = time.process_time(), time.time()
             if run.ranks.main and run.step == 0 and args.init and curve.tell() == 0:
@@ -506,11 +523,16 @@ def start_run(args: argparse.Namespace) -> TrainingRun:
     distributed.join(ranks, args.device)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    pipe = load_pipeline(args.target, drafter=None, dtype=args.dtype, device=args.device)
+    sharded = args.shard_target and ranks.distributed
+    # a target to shard is read on the host, and only its shards (and the small rest) go to the device
+    pipe = load_pipeline(args.target, drafter=None, dtype=args.dtype, device="cpu" if sharded else args.device,
+                         prepare=not sharded)
     target = pipe.target.requires_grad_(False)
     if pipe.tokenizer is None:
         raise DFlashError(f"{pipe.target_dir} has no tokenizer; the trainer needs one")
-    drafter = initial_drafter(args, target)
+    drafter = initial_drafter(args, target)  # from the target's whole layers: before they are sharded
+    if sharded:
+        shard_target(target, args.device)
     args.decay = args.decay or recipe_decay(drafter.config.block_size)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     forward = BlockDrafting(drafter, target)
@@ -529,20 +551,42 @@ def check_options(args: argparse.Namespace, ranks: Ranks) -> None:
     if args.batch_size < ranks.world:
         raise DFlashError(f"--batch-size {args.batch_size} (the global batch) is smaller than the {ranks.world} "
                           "ranks: every rank needs at least one sequence per step")
+    if args.shard_target and ranks.distributed and args.tau_prompts:
+        raise DFlashError(f"--shard-target with --tau-prompts {args.tau_prompts}: the measured tau decodes on rank 0 "
+                          "alone, which a sharded target cannot do; pass --tau-prompts 0 (the estimated tau is still "
+                          "recorded) and measure the exported drafter with dflash-bench")
+
+
+def shard_target(target: TargetModel, device: str) -> None:
+    """The frozen target's decoder layers sharded across the ranks (distributed.shard); the embedding, the final norm
+    and the head stay whole on every rank: the drafter and the loss use them outside the target's forward."""
+    distributed.shard(target.model.layers, device)
+    for whole in (target.model.embed_tokens, target.model.norm, target.lm_head):
+        whole.to(device)
 
 
 def estimated_memory(run: TrainingRun, vocab_subset: torch.Tensor | None) -> dict[str, float]:
     """dflash_training.memory's estimate for this run's options (GiB by part), on one rank."""
     args, target, config = run.args, run.target, run.drafter.config
-    # by storage: a tied embedding and head are one tensor
-    weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                   for t in target.state_dict().values()}.values())
+    weights = target_weight_bytes(target)
     softmax = len(vocab_subset) + args.batch_size * args.anchors if vocab_subset is not None else \
         target.config.shape.vocab_size
     per_rank = -(-args.batch_size // run.ranks.world)  # the largest share of the batch
     sizes = memory.StepSizes(per_rank, args.seq_len, args.anchors, config.block_size, config.shape.num_layers,
                              len(config.target_layer_ids), softmax, 2 if args.dtype == "bfloat16" else 4)
     return memory.step_memory(target.config.shape, weights, sizes)
+
+
+def target_weight_bytes(target: TargetModel) -> int:
+    """The target's weights held on this rank, by storage (a tied embedding and head are one tensor); with sharded
+    layers, this rank's shards plus two whole layers: FSDP gathers the next layer while one runs."""
+    state = target.state_dict()
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in state.values()]
+    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
+    if not any(isinstance(t, DTensor) for t in state.values()):
+        return held
+    layer = sum(t.numel() * t.element_size() for t in target.model.layers[0].state_dict().values())
+    return held + 2 * layer
 
 
 def free_device_memory(device: str) -> float | None:
@@ -844,6 +888,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0 = all cores)")
     p.add_argument("--device", default="cpu", help="where the target and the drafter run: cpu, cuda (under "
                    "torchrun: each rank on its node's GPU LOCAL_RANK), cuda:1, ...")
+    p.add_argument("--shard-target", action="store_true",
+                   help="under torchrun: shard the frozen target's decoder layers across the ranks (FSDP2), each "
+                   "rank holding 1/N of them and gathering one layer at a time, for a target that does not fit one "
+                   "device beside the drafter (the memory estimate says when); needs --tau-prompts 0")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the frozen target's weights and features, and bf16 autocast of the drafter's forward "
                    "(its weights, optimizer and loss stay float32); bfloat16 is for GPUs")

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -35,6 +37,7 @@ from dflash_contract.layout import MANIFEST_FILE, REPOSITORY_DIR
 from dflash_contract.presets import PRESETS
 from dflash_contract.server import (GATEWAY_HEALTH_PATH, LIVE_PATH, METRICS_PATH, OPENAI_API_KEY_ENV, PORTS, READY_PATH,
                                     SHUTDOWN_SECONDS)
+from dflash_training import drafter_data, train_drafter
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy/helm/dflash"
@@ -44,14 +47,25 @@ VALUES_FILES = {p.stem: p for p in sorted((CHART / "values").glob("*.yaml"))}
 # A deployment pins the image it pushed (deploy/README.md): checkov's CKV_K8S_43 requires the digest.
 DIGEST = "sha256:" + "ab" * 32
 API_KEY_SECRET = {"name": "dflash-openai", "key": "token"}
+# A drafter's training on the CPU image, small enough to run here: 2 pods of one rank, 4 answers, 2 steps
+TRAINING_HERE = ["modelStore.accessMode=ReadWriteMany", "training.data.enabled=true", "training.data.numPrompts=4",
+                 "training.data.args={--max-tokens,24}", "training.train.enabled=true", "training.train.nodes=2",
+                 "training.train.gpusPerNode=0",
+                 "training.train.args={--device,cpu,--steps,2,--batch-size,2,--seq-len,64,--anchors,4,--draft-layers,1,"
+                 "--tau-prompts,0,--eval-every,2,--save-every,2,--warmup,1,--train-vocab,512,--threads,1}"]
 # What is rendered and checked (schemas, checkov, the builder's --check, ...): the defaults, every shipped
-# values file, and the tests' overlays: the gateway's API key from a Secret, and a torch build on H100s
-# quantized to FP8 whose GPU type must reach the build.
+# values file, and the tests' overlays: the gateway's API key from a Secret (which the answers Job reads too),
+# a torch build on H100s quantized to FP8 whose GPU type must reach the build, and a drafter's training on GPU
+# nodes (the values' defaults) and on the CPU image.
 RENDERINGS = {"default": ([], []),
               **{name: ([path], []) for name, path in VALUES_FILES.items()},
-              "openai-api-key": ([], [f"openai.apiKeySecret.{k}={v}" for k, v in API_KEY_SECRET.items()]),
+              "openai-api-key": ([], [f"openai.apiKeySecret.{k}={v}" for k, v in API_KEY_SECRET.items()]
+                                 + ["training.data.enabled=true"]),
               "h100-fp8": ([], ["server.gpuType=h100", "build.args={--device,cuda,--quant,fp8}",
-                                "network.clientNamespaces={chat-frontend}"])}
+                                "network.clientNamespaces={chat-frontend}"]),
+              "training-gpu": ([], ["training.data.enabled=true", "training.train.enabled=true",
+                                    "training.train.args={--device,cuda,--dtype,bfloat16,--shard-target,--tau-prompts,0}"]),
+              "training-cpu": ([VALUES_FILES["cpu"]], TRAINING_HERE)}
 # Kubernetes' IsValidPortName: a named container port (and a targetPort by name) is an IANA_SVC_NAME
 IANA_SVC_NAME = re.compile(r"(?=.{1,15}$)(?=[-a-z0-9]*[a-z])(?!.*--)[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
@@ -130,8 +144,14 @@ def server_container(r: Rendered) -> dict:
     return r.one("Deployment")["spec"]["template"]["spec"]["containers"][0]
 
 
+def job(r: Rendered, component: str = "build") -> dict:
+    """The rendering's Job of a component: build, answers (the training data) or train."""
+    (found,) = [o for o in r.all("Job") if o["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    return found
+
+
 def build_command(r: Rendered) -> list[str]:
-    return r.one("Job")["spec"]["template"]["spec"]["containers"][0]["command"]
+    return job(r)["spec"]["template"]["spec"]["containers"][0]["command"]
 
 
 def flag(command: list[str], name: str) -> str:
@@ -148,9 +168,10 @@ def hook_pod(r: Rendered) -> dict:
 
 # --- Helm: lint, schema, package ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("values_file", [None, *VALUES_FILES])
-def test_helm_lint_strict_reports_no_errors_and_no_warnings(values_file):
-    values = user_values([VALUES_FILES[values_file]] if values_file else [], [f"image.digest={DIGEST}"])
+@pytest.mark.parametrize("rendering", RENDERINGS)
+def test_helm_lint_strict_reports_no_errors_and_no_warnings(rendering):
+    files, sets = RENDERINGS[rendering]
+    values = user_values(files, [f"image.digest={DIGEST}", *sets])
     report = helm_python.lint(CHART, values, strict=True, namespace=NAMESPACE)
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= LINT_WARNING] == [], report["messages"]
@@ -238,6 +259,10 @@ def test_every_rendering_renders_the_whole_deployment(rendered):
             expected += ["PrometheusRule", "ServiceMonitor"]
         if r.values["autoscaling"]["enabled"]:
             expected.append("HorizontalPodAutoscaler")
+        if r.values["training"]["data"]["enabled"]:
+            expected += ["Job", "NetworkPolicy"]
+        if r.values["training"]["train"]["enabled"]:
+            expected += ["Job", "NetworkPolicy", "Service"]
         assert kinds == sorted(expected), name
         assert all(o["metadata"].get("namespace") == NAMESPACE for o in r.objects), name
 
@@ -245,7 +270,7 @@ def test_every_rendering_renders_the_whole_deployment(rendered):
 def test_the_cpu_values_need_no_prometheus_operator_nor_gpu_nodes(rendered):
     r = rendered["cpu"]
     assert not r.all("ServiceMonitor") and not r.all("PrometheusRule")
-    for pod in (r.one("Deployment")["spec"]["template"]["spec"], r.one("Job")["spec"]["template"]["spec"]):
+    for pod in (r.one("Deployment")["spec"]["template"]["spec"], job(r)["spec"]["template"]["spec"]):
         assert "nodeSelector" not in pod and "tolerations" not in pod
     assert "Monitoring is off" in r.notes
 
@@ -411,6 +436,8 @@ def test_ports_and_probes_are_the_launchers(rendered):
         assert pre_stop == r.values["server"]["preStopSeconds"]
         assert pod["terminationGracePeriodSeconds"] > pre_stop + SHUTDOWN_SECONDS, name
         for service in r.all("Service"):
+            if service["metadata"]["labels"]["app.kubernetes.io/component"] == "train":
+                continue  # the training pods' names and rendezvous: test_the_training_job_is_one_torchrun_rendezvous...
             for port in service["spec"]["ports"]:
                 assert port["targetPort"] == port["name"] and port["port"] == PORTS[port["name"]]
             assert service["spec"]["selector"].items() <= pod_labels(r).items()
@@ -465,9 +492,17 @@ def test_the_gateways_api_key_comes_from_a_secret_only_when_asked(rendered):
         # offline there is no Secret to look up, so no checksum of it (install and upgrade add one)
         assert "annotations" not in deployment["spec"]["template"]["metadata"]
         # only the server reads it: the build Job and the test pod have no key
-        for pod in (r.one("Job")["spec"]["template"]["spec"], hook_pod(r)["spec"]):
-            assert not any(e["name"] == OPENAI_API_KEY_ENV
+        answers = job(r, "answers")["spec"]["template"]["spec"]
+        for pod in (job(r)["spec"]["template"]["spec"], hook_pod(r)["spec"], answers):
+            assert not any(e["name"] == OPENAI_API_KEY_ENV or "valueFrom" in e
                            for c in pod["containers"] + pod.get("initContainers", []) for e in c.get("env", []))
+        # the answers Job reads the key from the Secret mounted as a file, into OPENAI_API_KEY for its process only
+        assert {"name": "openai-key", "secret": {"secretName": API_KEY_SECRET["name"], "defaultMode": 0o440,
+                                                 "items": [{"key": API_KEY_SECRET["key"], "path": "key"}]}} \
+            in answers["volumes"]
+        (container,) = answers["containers"]
+        assert {"name": "KEY_FILE", "value": "/var/run/secrets/openai/key"} in container["env"]
+        assert 'OPENAI_API_KEY=$(cat "$KEY_FILE")' in container["command"][2]
         assert "key: Secret dflash-openai" in r.notes
 
 
@@ -494,7 +529,7 @@ def test_the_launcher_accepts_the_servers_flags(rendered):
 
 def test_the_server_reads_the_repository_the_build_job_writes(rendered):
     for name, r in rendered.items():
-        job_pod = r.one("Job")["spec"]["template"]["spec"]
+        job_pod = job(r)["spec"]["template"]["spec"]
         server_pod = r.one("Deployment")["spec"]["template"]["spec"]
         output = flag(build_command(r), "--output")
         assert output == f"/models/{r.values['model']['build']}"
@@ -514,7 +549,7 @@ def test_the_server_reads_the_repository_the_build_job_writes(rendered):
 def test_the_build_job_downloads_what_the_preset_needs(rendered):
     for name, r in rendered.items():
         preset = PRESETS[r.values["model"]["preset"]]
-        job_pod = r.one("Job")["spec"]["template"]["spec"]
+        job_pod = job(r)["spec"]["template"]["spec"]
         downloaded = [c["command"][-1] for c in job_pod.get("initContainers", [])]
         expected = [] if preset.gguf else [preset.target]
         if not (REPO / preset.drafter).is_dir():
@@ -529,7 +564,8 @@ def test_the_build_job_downloads_what_the_preset_needs(rendered):
 
 def build_job(sets: list[str]) -> dict:
     """The build Job the chart renders for the defaults with these --set expressions."""
-    return next(o for o in manifests(render(user_values([], sets))) if o["kind"] == "Job")
+    return next(o for o in manifests(render(user_values([], sets))) if o["kind"] == "Job"
+                and o["metadata"]["labels"]["app.kubernetes.io/component"] == "build")
 
 
 def test_the_hf_token_is_a_mounted_file(rendered):
@@ -662,6 +698,125 @@ def test_notes_say_how_to_reach_the_server(rendered):
     assert "chat-frontend" in rendered["h100-fp8"].notes
 
 
+# --- training a drafter -------------------------------------------------------------------------------
+
+TRAININGS = ("training-gpu", "training-cpu")
+
+
+def test_the_training_job_is_one_torchrun_rendezvous_across_its_pods(rendered):
+    for name in TRAININGS:
+        r = rendered[name]
+        train, training = job(r, "train"), r.values["training"]
+        spec, pod = train["spec"], train["spec"]["template"]["spec"]
+        nodes, gpus = training["train"]["nodes"], training["train"]["gpusPerNode"]
+        assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nodes
+        # one failed pod fails the Job (the others cannot go on without it); an evicted one is recreated
+        assert spec["backoffLimit"] == 0 and pod["restartPolicy"] == "Never"
+        assert spec["podFailurePolicy"]["rules"] == [{"action": "Ignore",
+                                                      "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+        # pod i is <job>-i.<service>: the headless Service has the Job's name, selects its pods, and is the subdomain
+        service = r.one("Service", train["metadata"]["name"])
+        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+        assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": train["metadata"]["name"]}
+        assert pod["subdomain"] == service["metadata"]["name"]
+        (container,) = pod["containers"]
+        command = container["command"]
+        assert command[:2] == ["sh", "-c"] and command[3] == "torchrun" and "JOB_COMPLETION_INDEX == 0" in command[2]
+        endpoint = flag_value(command, "--rdzv-endpoint")
+        port = service["spec"]["ports"][0]["port"]
+        assert endpoint == f"{train['metadata']['name']}-0.{service['metadata']['name']}:{port}"
+        assert container["ports"] == [{"name": "rendezvous", "containerPort": port, "protocol": "TCP"}]
+        assert flag_value(command, "--nnodes") == str(nodes) and flag_value(command, "--nproc-per-node") == str(max(gpus, 1))
+        assert int(container["resources"]["limits"].get("nvidia.com/gpu", 0)) == gpus
+        assert ("nodeSelector" in pod) == bool(gpus), name
+        trainer = command[command.index("dflash_training.train_drafter") + 1:]
+        assert trainer[:3] == [f"--target={r.values['model']['preset']}",
+                               f"--responses=/models/training/{training['responses']}",
+                               f"--output=/models/training/{training['run']}"]
+        assert train_drafter.build_parser().parse_args(trainer).output == f"/models/training/{training['run']}"
+        # the pods wait for the build (the target's download) and the answers Job's completion
+        wait = pod["initContainers"][0]["command"][-1]
+        assert f'"$BUILD/{MANIFEST_FILE}"' in wait and '"$ANSWERS/.complete"' in wait
+        answers = job(r, "answers")["spec"]["template"]["spec"]["containers"][0]
+        assert f"--server=http://{RELEASE}:{PORTS['openai']}/v1" in answers["command"]
+        assert "KEY_FILE" not in {e["name"] for e in answers["env"]}  # no key asked for
+        # the training pods reach each other only; the answers pod, the servers' gRPC and OpenAI ports only
+        policies = {p["metadata"]["name"]: p["spec"] for p in r.all("NetworkPolicy")}
+        peers = [{"podSelector": {"matchLabels": pod_selector(r, "train")}}]
+        assert policies[f"{RELEASE}-train"]["ingress"] == [{"from": peers}]
+        assert policies[f"{RELEASE}-train"]["egress"][1] == {"to": peers}
+        assert policies[f"{RELEASE}-answers"]["ingress"] == []
+        assert [p["port"] for p in policies[f"{RELEASE}-answers"]["egress"][1]["ports"]] == [PORTS["grpc"],
+                                                                                            PORTS["openai"]]
+
+
+def flag_value(command: list[str], name: str) -> str:
+    (value,) = [a.split("=", 1)[1] for a in command if a.startswith(name + "=")]
+    return value
+
+
+def pod_selector(r: Rendered, component: str) -> dict:
+    return {"app.kubernetes.io/name": "dflash", "app.kubernetes.io/instance": RELEASE,
+            "app.kubernetes.io/component": component}
+
+
+def test_a_changed_training_job_is_a_new_job(rendered):
+    first = job(rendered["training-gpu"], "train")["metadata"]["name"]
+    assert re.fullmatch(r"dflash-train-drafter-v1-[0-9a-f]{6}", first)
+    again = manifests(render(user_values([], ["image.digest=" + DIGEST, *RENDERINGS["training-gpu"][1]])))
+    changed = manifests(render(user_values([], ["image.digest=" + DIGEST, *RENDERINGS["training-gpu"][1],
+                                                "training.train.maxRestarts=1"])))
+    names = [[o["metadata"]["name"] for o in objects if o["kind"] == "Job"
+              and o["metadata"]["labels"]["app.kubernetes.io/component"] == "train"] for objects in (again, changed)]
+    assert names[0] == [first] and names[1] != [first]
+
+
+def test_the_training_jobs_commands_answer_and_train_here(rendered, default_server, default_build, tmp_path):
+    """The answers Job's and the training Job's containers as the pods run them (sh included), here: the answers
+    through the gateway of the embedded default served here, then the training Job's 2 pods as 2 processes on this
+    host, each with its JOB_COMPLETION_INDEX, meeting at the rendered rendezvous (its host made this one)."""
+    r = rendered["training-cpu"]
+    models = tmp_path / "models"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+
+    def here(arg: str) -> str:
+        return (arg.replace("/models/", f"{models}/")
+                .replace(f"{RELEASE}:{PORTS['grpc']}", default_server.grpc_url)
+                .replace(f"http://{RELEASE}:{PORTS['openai']}", default_server.gateway.url))
+
+    def run(container: dict, **extra) -> subprocess.CompletedProcess:
+        pod_env = {e["name"]: here(e["value"]) for e in container.get("env", []) if e["name"] in ("ANSWERS", "BUILD")}
+        proc = subprocess.run([here(a) for a in container["command"]], env={**env, **pod_env, **extra},
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{container['name']}: {proc.stderr[-3000:]}"
+        return proc
+
+    answers = job(r, "answers")["spec"]["template"]["spec"]
+    run(answers["initContainers"][0])  # the server is ready
+    run(answers["containers"][0])
+    responses = models / "training" / r.values["training"]["responses"]
+    assert (responses / ".complete").is_file()
+    assert len(drafter_data.read_responses(responses)) == r.values["training"]["data"]["numPrompts"]
+
+    train = job(r, "train")["spec"]["template"]["spec"]
+    run(train["initContainers"][0], BUILD=str(default_build))  # returns at once: the build and the answers are there
+    (container,) = train["containers"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = flag_value(container["command"], "--rdzv-endpoint")
+    command = [here(a).replace(endpoint, f"127.0.0.1:{port}") for a in container["command"]]
+    pods = [subprocess.Popen(command, env={**env, "JOB_COMPLETION_INDEX": str(i)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for i in range(r.values["training"]["train"]["nodes"])]
+    logs = [p.communicate(timeout=900)[0] for p in pods]
+    assert [p.returncode for p in pods] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    out = models / "training" / r.values["training"]["run"]
+    curve = [json.loads(line) for line in (out / "learning_curve.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in curve] == [2] and curve[0]["world_size"] == 2
+    assert (out / "drafter" / "config.json").is_file()
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 
 # --set expressions (Helm's own parser) -> what the refusal must say: every one names the value
@@ -725,6 +880,28 @@ BAD_VALUES = [
     ([f"openai.apiKeySecret.name={'s' * 254}"], "/openai/apiKeySecret/name"),
     (["openai.apiKeySecret.name=dflash-openai", "openai.apiKeySecret.key="], "/openai/apiKeySecret/key"),
     (["openai.apiKeySecret.name=dflash-openai", "openai.apiKeySecret.key=api/key"], "/openai/apiKeySecret/key"),
+    (["training.train.enabled=true", "training.train.args={--device,cuda,--learning-rate,1e-4}"],
+     "training.train.args: dflash-train-drafter does not know --learning-rate"),
+    (["training.train.enabled=true", "training.train.args={--device,cuda,--output=/elsewhere}"],
+     "training.train.args must not set --output: it comes from training.run"),
+    (["training.train.enabled=true", "training.train.args={--dtype,bfloat16}"],
+     "gpusPerNode is 8 but training.train.args train on --device cpu: add --device cuda"),
+    (["training.train.enabled=true", "training.train.gpusPerNode=0"],
+     "train on --device cuda but training.train.gpusPerNode is 0"),
+    (["training.train.enabled=true", "modelStore.accessMode=ReadWriteOnce", "autoscaling.enabled=false",
+      "server.replicas=1"], "training.train.nodes is 2 but modelStore.accessMode is ReadWriteOnce"),
+    (["training.train.enabled=true", "training.train.sharedMemory=512Gi"],
+     r"training.train.sharedMemory \(512Gi\) must be below training.train.memory"),
+    (["training.train.enabled=true", f"training.run={'r' * 30}", f"fullnameOverride={'f' * 20}"],
+     "the last training pod's hostname .* would exceed 63 characters"),
+    (["training.train.enabled=true", "training.train.nodes=0"], "/training/train/nodes"),
+    (["training.data.enabled=true", "training.data.args={--server,http://elsewhere/v1}"],
+     "training.data.args must not set --server: it comes from this release's gateway"),
+    (["training.data.enabled=true", "training.data.args={--max-new-token,8}"],
+     "dflash-drafter-data does not know --max-new-token"),
+    (["training.data.enabled=true", "training.run=responses-v1"], "training.responses and training.run are both"),
+    (["training.run=Drafter_V1"], "/training/run"),
+    (["training.data.enable=true"], "additional properties 'enable' not allowed"),
 ]
 
 
@@ -743,6 +920,8 @@ def test_a_set_without_a_value_is_refused_by_helms_parser():
 
 def test_cpu_values_refuse_gpus():
     for sets, message in [(["server.gpus=1"], "image.kind cpu runs without GPUs"),
+                          (["training.train.enabled=true", "training.train.nodes=1"],
+                           "image.kind cpu runs without GPUs: training.train.gpusPerNode must be 0"),
                           (["build.args={--device,cuda}"], "image.kind cpu needs the torch runtime on the CPU")]:
         with pytest.raises(helm_python.HelmRenderError, match=message):
             render(user_values([VALUES_FILES["cpu"]], sets))

@@ -6,7 +6,8 @@ solo answer, every refused one is UNAVAILABLE naming the capacity (over HTTP a 5
 two add up to the burst. Afterwards no sequence is active, the KV cache is empty and the server's memory
 (tritonserver's process group and the gateway) is back at its baseline. Time to first token (p50/p99, accepted
 streams), refusal time and tokens/s are printed (pytest -s). The suite runs one burst per door; `make overload`
-runs DFLASH_OVERLOAD_ROUNDS bursts of DFLASH_OVERLOAD_TOKENS tokens.
+runs DFLASH_OVERLOAD_ROUNDS bursts of DFLASH_OVERLOAD_TOKENS tokens. The training data tool's retries are tried
+against the same server.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 
 from clients import AsyncDFlashClient, GenerationParams, RetryPolicy, ServerUnavailable
 from dflash_contract.protocol import CAPACITY_MESSAGE
+from dflash_training import drafter_data
 from test_serving import metric, wait_for_metric
 from test_soak import PROMPTS, RSS_DRIFT_LIMIT, server_rss
 
@@ -150,3 +152,26 @@ def test_a_burst_of_64_streams_against_8_slots_loses_nothing_and_leaks_nothing(o
 
 def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
+
+
+def test_drafter_data_retries_an_overloaded_gateway_until_every_answer_is_in(overload_server, tmp_path, capsys):
+    """dflash-drafter-data --server with 48 requests in flight against 8 slots and a queue of 16: without retries
+    the run ends on the first refusal (a 503 naming the capacity) and keeps what was answered; a rerun with its
+    default retries (backoff, never sooner than Retry-After) answers the rest, and every answer is the one given
+    at 4 in flight, where none is refused."""
+    burst = 2 * (SLOTS + QUEUE)
+    common = ["--target", "smollm2-135m", "--server", f"{overload_server.gateway.url}/v1", "--max-tokens", "8"]
+    stormy, calm = tmp_path / "stormy", tmp_path / "calm"
+
+    def ids(directory) -> dict:
+        return {drafter_data.response_key(r): r["response_ids"] for r in drafter_data.read_responses(directory)}
+    assert drafter_data.main(common + ["--output", str(stormy), "--num-prompts", str(burst),
+                                       "--concurrency", str(burst), "--retries", "0"]) == 2
+    refusal = capsys.readouterr().err
+    assert "answered HTTP 503" in refusal and CAPACITY_MESSAGE in refusal, refusal[-2000:]
+    kept = len(ids(stormy))
+    assert kept < SLOTS + QUEUE  # so that the rerun, too, asks for more than the server holds (here: 0 kept)
+    assert drafter_data.main(common + ["--output", str(stormy), "--num-prompts", str(burst - kept),
+                                       "--concurrency", str(burst)]) == 0
+    assert drafter_data.main(common + ["--output", str(calm), "--num-prompts", str(burst), "--concurrency", "4"]) == 0
+    assert len(ids(stormy)) == burst and ids(stormy) == ids(calm)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,13 +50,20 @@ def assert_same_curve(one: list[dict], other: list[dict]) -> None:
         assert b["heldout_accuracy_by_position"] == pytest.approx(a["heldout_accuracy_by_position"], abs=1e-3)
 
 
-@pytest.mark.parametrize("data", [[], ["--feature-cache", "3000"]], ids=["a prefill per step", "feature cache"])
+# sharded: 1050 tokens are 17 texts, 9 prefilled by rank 0 in 2 prefills, 8 by rank 1 in one, which then joins rank
+# 0's second with a spare (every prefill of a sharded target is a collective)
+@pytest.mark.parametrize("data", [[], ["--feature-cache", "3000"], ["--feature-cache", "1050", "--shard-target"]],
+                         ids=["a prefill per step", "feature cache", "sharded target"])
 def test_two_ranks_train_as_one_process_and_a_checkpoint_resumes_at_another_world_size(tmp_path, data):
     """4 steps in one process; 2 steps on 2 ranks, then steps 3-4 resumed in one process from their checkpoint:
-    the same losses at every step, so the curve continues as if one process had trained throughout."""
+    the same losses at every step, so the curve continues as if one process had trained throughout. With
+    --shard-target the 2 ranks hold half the target's layers each (FSDP2; one process holds them whole)."""
     single, mixed = tmp_path / "single", tmp_path / "mixed"
-    launch("dflash_training.train_drafter", TRAIN + data + ["--output", str(single), "--steps", "4"], ranks=1)
-    launch("dflash_training.train_drafter", TRAIN + data + ["--output", str(mixed), "--steps", "2"], ranks=2)
+    whole = launch("dflash_training.train_drafter", TRAIN + data + ["--output", str(single), "--steps", "4"], ranks=1)
+    shared = launch("dflash_training.train_drafter", TRAIN + data + ["--output", str(mixed), "--steps", "2"], ranks=2)
+    if "--shard-target" in data:  # rank 0's estimate: its half of the layers, two whole ones, and the rest
+        held = [float(re.search(r"target weights ([0-9.]+)", run.stderr)[1]) for run in (whole, shared)]
+        assert 0.5 * held[0] < held[1] < 0.75 * held[0], held
     assert [r["world_size"] for r in curve(mixed)] == [2, 2]
     resumed = launch("dflash_training.train_drafter", TRAIN + data + ["--output", str(mixed), "--steps", "4"], ranks=1)
     assert "resumed at step 2" in resumed.stderr

@@ -221,6 +221,10 @@ def test_memory_estimate_matches_the_h200_run():
     smaller = memory.step_memory(shape, 134_515_008 * 4, memory.StepSizes(8, 640, 32, 8, 2, 5, 8192, 2))
     assert smaller["total"] < h200["total"] / 10 and smaller["target weights"] == h200["target weights"]
     assert "GiB of 3.0 GiB free" in memory.describe(smaller, 3.0)
+    # what to change, by what does not fit: the batch, or the target's weights (0.50 GiB) themselves
+    assert "lower --batch-size" in memory.describe(smaller, smaller["target weights"] + smaller["drafter + AdamW"] + .1)
+    assert "--shard-target shards its layers" in memory.describe(smaller, 0.4)
+    assert "even with the target's layers sharded: train on more ranks" in memory.describe(smaller, 0.4, sharded=True)
 
 
 def test_recipe_options_and_a_missing_device(tmp_path, capsys):

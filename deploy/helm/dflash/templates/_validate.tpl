@@ -68,7 +68,74 @@ Returns the options the deployment's shape depends on, as JSON.
 {{- toJson $options }}
 {{- end }}
 
+{{/*
+A training tool's extra flags against its parser's (from the contract): (dict "args" list "flags" dict "owned" dict
+"value" "training.train.args" "tool" "dflash-train-drafter"). owned: flag -> the value that sets it.
+*/}}
+{{- define "dflash.checkToolFlags" -}}
+{{- range .args }}
+{{- $arg := toString . }}
+{{- if hasPrefix "-" $arg }}
+{{- $flag := regexReplaceAll "=.*" $arg "" }}
+{{- if not (hasKey $.flags $flag) }}
+{{- fail (printf "%s: %s does not know %s (see %s --help)" $.value $.tool $flag $.tool) }}
+{{- end }}
+{{- if hasKey $.owned $flag }}
+{{- fail (printf "%s must not set %s: it comes from %s" $.value $flag (get $.owned $flag)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "dflash.validateTraining" -}}
+{{- $v := .Values }}
+{{- $t := $v.training }}
+{{- $contract := include "dflash.contract" . | fromYaml }}
+{{- if or $t.data.enabled $t.train.enabled }}
+{{- if eq $v.modelStore.accessMode "ReadOnlyMany" }}
+{{- fail "modelStore.accessMode ReadOnlyMany: the training Jobs write their answers and checkpoints into it" }}
+{{- end }}
+{{- if eq $t.responses $t.run }}
+{{- fail (printf "training.responses and training.run are both %q: the answers and the run need folders of their own" $t.run) }}
+{{- end }}
+{{- end }}
+{{- if $t.data.enabled }}
+{{- $owned := dict "--target" "model.preset" "--output" "training.responses" "--server" "this release's gateway" "--num-prompts" "training.data.numPrompts" "--concurrency" "training.data.concurrency" }}
+{{- include "dflash.checkToolFlags" (dict "args" $t.data.args "flags" $contract.training.dataFlags "owned" $owned "value" "training.data.args" "tool" "dflash-drafter-data") }}
+{{- end }}
+{{- if $t.train.enabled }}
+{{- $job := printf "%s-train-%s-000000-%d" (include "dflash.fullname" .) $t.run (sub (int $t.train.nodes) 1) }}
+{{- if gt (len $job) 63 }}
+{{- fail (printf "the release name (or fullnameOverride) + training.run are too long: the last training pod's hostname (%s, the zeros stand for a hash) would exceed 63 characters" $job) }}
+{{- end }}
+{{- $owned := dict "--target" "model.preset" "--output" "training.run" "--responses" "training.responses" }}
+{{- include "dflash.checkToolFlags" (dict "args" $t.train.args "flags" $contract.training.trainerFlags "owned" $owned "value" "training.train.args" "tool" "dflash-train-drafter") }}
+{{- $device := "cpu" }}
+{{- range $i, $arg := $t.train.args }}
+{{- if hasPrefix "--device=" (toString $arg) }}{{ $device = trimPrefix "--device=" (toString $arg) }}{{ end }}
+{{- if and (eq (toString $arg) "--device") (lt (add1 $i) (len $t.train.args)) }}{{ $device = toString (index $t.train.args (add1 $i)) }}{{ end }}
+{{- end }}
+{{- $gpus := int $t.train.gpusPerNode }}
+{{- if and (eq $v.image.kind "cpu") $gpus }}
+{{- fail (printf "image.kind cpu runs without GPUs: training.train.gpusPerNode must be 0 (got %d)" $gpus) }}
+{{- end }}
+{{- if and $gpus (not (hasPrefix "cuda" $device)) }}
+{{- fail (printf "training.train.gpusPerNode is %d but training.train.args train on --device %s: add --device cuda (each rank takes its node's GPU LOCAL_RANK)" $gpus $device) }}
+{{- end }}
+{{- if and (not $gpus) (hasPrefix "cuda" $device) }}
+{{- fail (printf "training.train.args train on --device %s but training.train.gpusPerNode is 0: the pods get no GPU" $device) }}
+{{- end }}
+{{- if and (gt (int $t.train.nodes) 1) (ne $v.modelStore.accessMode "ReadWriteMany") }}
+{{- fail (printf "training.train.nodes is %d but modelStore.accessMode is %s: the ranks on every node read the answers and rank 0 writes the checkpoints into one folder: use ReadWriteMany storage" (int $t.train.nodes) $v.modelStore.accessMode) }}
+{{- end }}
+{{- if ge (float64 (include "dflash.bytes" $t.train.sharedMemory)) (float64 (include "dflash.bytes" $t.train.memory)) }}
+{{- fail (printf "training.train.sharedMemory (%s) must be below training.train.memory (%s): /dev/shm is memory-backed and counts against the limit" $t.train.sharedMemory $t.train.memory) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "dflash.validate" -}}
+{{- include "dflash.validateTraining" . }}
 {{- $v := .Values }}
 {{- $contract := include "dflash.contract" . | fromYaml }}
 {{- $job := printf "%s-build-%s-000000" (include "dflash.fullname" .) $v.model.build }}
