@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,10 +38,10 @@ from dflash_runtime.config import DFlashError, TargetConfig
 from dflash_runtime.pipeline import load_pipeline
 from dflash_runtime.sampling import SamplingParams
 from dflash_runtime.text import encode_prompt, load_tokenizer
-from dflash_tools.options import at_least
 from dflash_tools.prompts import sharegpt_dialogues
-from dflash_training import server_answers
+from dflash_training import options, server_answers
 from dflash_training.distributed import Ranks, ranks_from_env
+from dflash_training.options import RESPONSES_FILE
 
 EXAMPLES = """examples:
   dflash-drafter-data --output runs/responses --max-minutes 60
@@ -55,7 +54,6 @@ EXAMPLES = """examples:
   python -m dflash_training.drafter_data --help
 """
 
-RESPONSES_FILE = "responses.jsonl"  # one process's; rank r of a torchrun launch writes responses.rank<r>.jsonl
 
 
 def responses_path(directory: Path, ranks: Ranks) -> Path:
@@ -269,42 +267,7 @@ def write_record(f, record: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-drafter-data", description=__doc__, epilog=EXAMPLES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m", help="preset name or HF checkpoint directory")
-    p.add_argument("--output", required=True, help=f"directory for {RESPONSES_FILE} (appended to; resumable)")
-    p.add_argument("--num-prompts", type=at_least(1), default=100000,
-                   help="stop after this many new responses (under torchrun: in all, shared by the ranks)")
-    p.add_argument("--max-minutes", type=at_least(0, float), default=float("inf"),
-                   help="stop taking new prompts after this long (running ones finish)")
-    p.add_argument("--max-prompt-tokens", type=at_least(1), default=256,
-                   help="skip longer prompts (chat template included)")
-    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=at_least(1), default=256,
-                   help="answer tokens per prompt at most (default: 256)")
-    p.add_argument("--later-turns", action="store_true",
-                   help="also the later user turns of each conversation, each sent alone as a one-turn chat")
-    p.add_argument("--temperature", type=at_least(0, float), default=0.0,
-                   help="after the greedy pass, a second pass over the same prompts sampled at this temperature")
-    engine = p.add_argument_group("the target in this process (the default)")
-    engine.add_argument("--batch-size", type=at_least(1), default=32, help="sequences decoded together")
-    engine.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0 = all cores)")
-    engine.add_argument("--device", default="cpu",
-                        help="where the target runs: cpu, cuda (under torchrun: each rank on its own GPU), cuda:1, ...")
-    engine.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="the target's weights and KV cache (bfloat16 on GPUs: twice the batch in the same memory)")
-    server = p.add_argument_group("answers from an OpenAI-compatible server (--server)")
-    server.add_argument("--server", metavar="URL",
-                        help="the API's base URL (http://host:9000/v1): dflash-serve's gateway, trtllm-serve, vLLM, ... "
-                        "serving --target; its answers are re-tokenised with --target's tokenizer")
-    server.add_argument("--model", help="the model id to ask for (default: the first in the server's /models)")
-    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None,
-                        help="bearer token (default: $OPENAI_API_KEY)")
-    server.add_argument("--concurrency", type=at_least(1), default=32, help="requests in flight at most")
-    server.add_argument("--retries", type=at_least(0), default=8,
-                        help="tries after the first for a request refused with 429/502/503/504 or a broken connection, "
-                        "with exponential backoff (never sooner than the server's Retry-After)")
-    server.add_argument("--request-timeout", type=at_least(1, float), default=600.0, help="seconds per request")
-    return p
+    return options.data_parser(__doc__, EXAMPLES)
 
 
 def main(argv=None) -> int:

@@ -59,9 +59,8 @@ from dflash_runtime.layers import prepare_for_inference
 from dflash_runtime.pipeline import Pipeline, load_pipeline
 from dflash_runtime.sampling import SamplingParams
 from dflash_runtime.target import TargetModel
-from dflash_tools.options import at_least
 from dflash_tools.prompts import sharegpt_conversations
-from dflash_training import distributed, memory
+from dflash_training import distributed, memory, options
 from dflash_training.distributed import Ranks, ranks_from_env
 from dflash_training.drafter_data import read_responses, training_sequence
 
@@ -844,58 +843,7 @@ def plot_learning_curve(curve_path: Path, png_path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train-drafter", description=__doc__, epilog=EXAMPLES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m", help="preset name or HF checkpoint directory")
-    p.add_argument("--output", required=True, help="directory for checkpoint.pt, learning_curve.jsonl and drafter/")
-    p.add_argument("--responses", help="train on the target's own responses in this dflash-drafter-data directory "
-                   "(default: ShareGPT replies)")
-    p.add_argument("--feature-cache", type=at_least(0), default=0, metavar="TOKENS",
-                   help="compute the target's features of this many training tokens (at most one epoch) once, "
-                   "keep them in <output>/features.pt and draw every batch from them; a later run extends the cache "
-                   "with responses added since (delete it to rebuild); 0 = a fresh prefill per step")
-    p.add_argument("--hard-labels", action="store_true", help="the target's argmax as label, not its softmax")
-    p.add_argument("--init", help="start from this exported drafter's weights (its config fixes the architecture)")
-    p.add_argument("--draft-layers", type=at_least(1), default=2)
-    p.add_argument("--block-size", type=at_least(2),
-                   help="tokens per drafted block (default: 16, or the --init drafter's)")
-    p.add_argument("--mask-token-id", type=at_least(0), default=16,
-                   help="a real vocabulary id that prompts never use (SmolLM2: 16 = <empty_output>)")
-    p.add_argument("--target-layer-ids", type=at_least(0), nargs="+",
-                   help="default: --num-target-features spread evenly")
-    p.add_argument("--num-target-features", type=at_least(1), default=5)
-    p.add_argument("--steps", type=at_least(1), default=100000)
-    p.add_argument("--max-minutes", type=at_least(0, float), default=float("inf"),
-                   help="stop (and save) after this long")
-    p.add_argument("--batch-size", type=at_least(1), default=4,
-                   help="sequences per step (under torchrun: in all, shared by the ranks)")
-    p.add_argument("--seq-len", type=at_least(32), default=256)
-    p.add_argument("--anchors", type=at_least(1), default=16, help="blocks per sequence per step")
-    p.add_argument("--answer-only", action="store_true",
-                   help="ShareGPT data: blocks start in the reply only (--responses data always trains that way)")
-    p.add_argument("--train-vocab", type=at_least(0), default=8192,
-                   help="softmax over the N most frequent reply tokens plus the batch's labels (0 = whole vocabulary)")
-    p.add_argument("--decay", type=at_least(1e-6, float), help="position weight exp(-(k-1)/decay) (default: "
-                   "1 + 3 * block / 8, ModelOpt's recipe: 4 at block 8, 7 at block 16)")
-    p.add_argument("--lr", type=at_least(0, float), default=6e-4)
-    p.add_argument("--warmup", type=at_least(1), default=100)
-    p.add_argument("--eval-every", type=at_least(1), default=100)
-    p.add_argument("--tau-prompts", type=at_least(0), default=4,
-                   help="held-out prompts decoded at each evaluation to measure tau (0: no measured tau, only the "
-                   "estimate)")
-    p.add_argument("--save-every", type=at_least(1), default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0 = all cores)")
-    p.add_argument("--device", default="cpu", help="where the target and the drafter run: cpu, cuda (under "
-                   "torchrun: each rank on its node's GPU LOCAL_RANK), cuda:1, ...")
-    p.add_argument("--shard-target", action="store_true",
-                   help="under torchrun: shard the frozen target's decoder layers across the ranks (FSDP2), each "
-                   "rank holding 1/N of them and gathering one layer at a time, for a target that does not fit one "
-                   "device beside the drafter (the memory estimate says when); needs --tau-prompts 0")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="the frozen target's weights and features, and bf16 autocast of the drafter's forward "
-                   "(its weights, optimizer and loss stay float32); bfloat16 is for GPUs")
-    return p
+    return options.train_parser(__doc__, EXAMPLES)
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,7 @@ from builder.options import build_parser
 from builder.trtllm import GPUS, QUANTIZATION_MIN_SM
 from dflash_contract.layout import MANIFEST_FILE, REPO_ROOT, REPOSITORY_DIR
 from dflash_contract.presets import PRESETS
-from dflash_training import drafter_data, train_drafter
+from dflash_training.options import data_parser, train_parser
 from dflash_contract.server import (GATEWAY_HEALTH_PATH, LIVE_PATH, METRICS_PATH, OPENAI_API_KEY_ENV, PORTS, READY_PATH,
                                     SHUTDOWN_SECONDS)
 
@@ -64,7 +64,7 @@ def contract() -> dict:
         "presets": {p.name: {"downloads": downloads(p), "runtimes": list(p.runtimes)} for p in PRESETS.values()},
         "builder": {"flags": flags(build_parser()), "valueless": valueless_flags(),
                     "gpus": {g.name: g.sm for g in GPUS.values()}, "quantMinSm": dict(QUANTIZATION_MIN_SM)},
-        "training": {"dataFlags": flags(drafter_data.build_parser()), "trainerFlags": flags(train_drafter.build_parser()),
+        "training": {"dataFlags": flags(data_parser()), "trainerFlags": flags(train_parser()),
                      "rendezvousPort": RENDEZVOUS_PORT},
     }
 
