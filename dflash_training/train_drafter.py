@@ -246,7 +246,7 @@ def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...],
         return sequences
     pending.sort(key=lambda text: len(text[0]))  # batches of similar lengths: little padding
     prefills = -(-len(pending[::ranks.world]) // 8)  # the largest share's: rank 0's
-    computed = features_of(target, ranks.share(pending), layer_ids, ranks, prefills, spare=pending[0])
+    computed = features_of(target, ranks.share(pending), layer_ids, ranks, prefills, spare=pending[0][0])
     if ranks.distributed:
         computed = gathered(computed, len(pending), path, ranks)
     sequences += computed
@@ -259,7 +259,7 @@ def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...],
 
 
 def features_of(target: TargetModel, texts: list[tuple[list[int], int]], layer_ids: tuple[int, ...],
-                ranks: Ranks, prefills: int, spare: tuple[list[int], int]) -> list[CachedSequence]:
+                ranks: Ranks, prefills: int, spare: list[int]) -> list[CachedSequence]:
     """The cache entries of texts, in their order: prefills of 8 texts at a time.
 
     Every rank runs `prefills` of them, its share's or more (a sharded target's prefill is a collective that every
@@ -270,7 +270,7 @@ def features_of(target: TargetModel, texts: list[tuple[list[int], int]], layer_i
     for start in range(0, 8 * prefills, 8):
         batch = texts[start:start + 8]
         if not batch:
-            target_features(target, [spare[0]], layer_ids)
+            target_features(target, [spare], layer_ids)
             continue
         tokens, features, final = target_features(target, [ids for ids, _ in batch], layer_ids)
         for i, (ids, first) in enumerate(batch):
@@ -721,11 +721,13 @@ def train_step(run: TrainingRun, batch: list[tuple[list[int], int]], tensors, vo
                                        run.rng)).to(tokens.device)
     lengths = [len(ids) for ids, _ in ranks.share(batch)]
     drafter.train()
+    vocab_size = run.target.lm_head.weight.shape[0]  # the ids the head can predict
     with autocast(args):
         hidden = run.forward(tokens, features, anchors)
         weighted, weight, correct, counted = block_loss_terms(
             hidden, run.target, tokens, final, lengths, anchors, drafter.config.block_size, args.decay,
-            vocab_subset, soft_labels=not args.hard_labels, labels=labels, vocab_union=lambda ids: label_union(ids, run.target.lm_head.weight.shape[0], ranks))
+            vocab_subset, soft_labels=not args.hard_labels, labels=labels,
+            vocab_union=lambda ids: label_union(ids, vocab_size, ranks))
     total_weight = distributed.all_sum(weight.detach())
     run.optimizer.zero_grad(set_to_none=True)
     (weighted * ranks.world / total_weight).backward()

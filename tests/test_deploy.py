@@ -63,8 +63,8 @@ RENDERINGS = {"default": ([], []),
                                  + ["training.data.enabled=true"]),
               "h100-fp8": ([], ["server.gpuType=h100", "build.args={--device,cuda,--quant,fp8}",
                                 "network.clientNamespaces={chat-frontend}"]),
-              "training-gpu": ([], ["training.data.enabled=true", "training.train.enabled=true",
-                                    "training.train.args={--device,cuda,--dtype,bfloat16,--shard-target,--tau-prompts,0}"]),
+              "training-gpu": ([], ["training.data.enabled=true", "training.train.enabled=true", "training.train.args="
+                                    "{--device,cuda,--dtype,bfloat16,--shard-target,--tau-prompts,0}"]),
               "training-cpu": ([VALUES_FILES["cpu"]], TRAINING_HERE)}
 # Kubernetes' IsValidPortName: a named container port (and a targetPort by name) is an IANA_SVC_NAME
 IANA_SVC_NAME = re.compile(r"(?=.{1,15}$)(?=[-a-z0-9]*[a-z])(?!.*--)[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -712,8 +712,8 @@ def test_the_training_job_is_one_torchrun_rendezvous_across_its_pods(rendered):
         assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nodes
         # one failed pod fails the Job (the others cannot go on without it); an evicted one is recreated
         assert spec["backoffLimit"] == 0 and pod["restartPolicy"] == "Never"
-        assert spec["podFailurePolicy"]["rules"] == [{"action": "Ignore",
-                                                      "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+        disrupted = {"type": "DisruptionTarget", "status": "True"}
+        assert spec["podFailurePolicy"]["rules"] == [{"action": "Ignore", "onPodConditions": [disrupted]}]
         # pod i is <job>-i.<service>: the headless Service has the Job's name, selects its pods, and is the subdomain
         service = r.one("Service", train["metadata"]["name"])
         assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
@@ -726,7 +726,8 @@ def test_the_training_job_is_one_torchrun_rendezvous_across_its_pods(rendered):
         port = service["spec"]["ports"][0]["port"]
         assert endpoint == f"{train['metadata']['name']}-0.{service['metadata']['name']}:{port}"
         assert container["ports"] == [{"name": "rendezvous", "containerPort": port, "protocol": "TCP"}]
-        assert flag_value(command, "--nnodes") == str(nodes) and flag_value(command, "--nproc-per-node") == str(max(gpus, 1))
+        assert flag_value(command, "--nnodes") == str(nodes)
+        assert flag_value(command, "--nproc-per-node") == str(max(gpus, 1))
         assert int(container["resources"]["limits"].get("nvidia.com/gpu", 0)) == gpus
         assert ("nodeSelector" in pod) == bool(gpus), name
         trainer = command[command.index("dflash_training.train_drafter") + 1:]
@@ -808,7 +809,8 @@ def test_the_training_jobs_commands_answer_and_train_here(rendered, default_serv
     endpoint = flag_value(container["command"], "--rdzv-endpoint")
     command = [here(a).replace(endpoint, f"127.0.0.1:{port}") for a in container["command"]]
     pods = [subprocess.Popen(command, env={**env, "JOB_COMPLETION_INDEX": str(i)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for i in range(r.values["training"]["train"]["nodes"])]
+                             stderr=subprocess.STDOUT, text=True)
+            for i in range(r.values["training"]["train"]["nodes"])]
     logs = [p.communicate(timeout=900)[0] for p in pods]
     assert [p.returncode for p in pods] == [0, 0], "\n".join(log[-3000:] for log in logs)
     out = models / "training" / r.values["training"]["run"]
