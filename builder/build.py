@@ -1,6 +1,7 @@
 """python builder/build.py: a target and its DFlash drafter -> a deployable build (see `--help`).
 
-The layout of a build is dflash_contract.layout's; the options and the command line are builder/options.py's.
+The layout of a build is dflash_contract.layout's; the options and the command line are builder/options.py's; where
+a build is written before it is published, builder/staging.py's.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import shlex
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
@@ -21,14 +21,16 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from builder.options import BuildOptions, build_parser, check_options, option_notes, options_from_args
+from builder.options import (BuildOptions, build_parser, check_context_room, check_options, option_notes,
+                             options_from_args)
 from builder.render import TORCH_MODELS, render_repository
+from builder.staging import partial_folder, publish, remove_abandoned
 from dflash_contract import DFlashError
 from dflash_contract.layout import (DRAFTER_DIR, MANIFEST_FILE, REPOSITORY_DIR, TARGET_DIR, TRTLLM_OPTIONS_FILE,
                                     VERIFY_PROFILE_FILE, build_key, file_hashes, in_build, read_manifest)
 from dflash_contract.presets import AUTO_BLOCK_SIZE, PRESETS
-from dflash_runtime.checkpoint import resolve_checkpoint, resolve_target
-from dflash_runtime.config import DrafterConfig, TargetConfig
+from dflash_runtime.checkpoint import is_hub_id, resolve_checkpoint, resolve_target
+from dflash_runtime.config import DrafterConfig, TargetConfig, TransformerShape, read_json
 
 PACKAGES = ("torch", "transformers", "nvidia-modelopt", "tritonclient", "nvidia-pytriton", "tensorrt-llm")
 SANITY_PROMPTS = ["Explain what a hash table is and when to use one.", "Write a haiku about autumn."]
@@ -86,10 +88,12 @@ def resolve_inputs(opts: BuildOptions, missing_ok: bool = False) -> Inputs:
         if block_size != AUTO_BLOCK_SIZE and block_size > drafter_config.block_size:
             raise DFlashError(f"--block-size {block_size} is larger than the drafter supports "
                               f"({drafter_config.block_size})")
+        widest = drafter_config.block_size if block_size == AUTO_BLOCK_SIZE else block_size
+        if opts.max_context is not None:
+            check_context_room(opts.max_context, widest)
         if opts.runtime == "trtllm":  # before hours of quantizing, not when the options are written
             from builder.trtllm import TrtllmOptions, check_token_budget, max_draft_len_for
 
-            widest = drafter_config.block_size if block_size == AUTO_BLOCK_SIZE else block_size
             check_token_budget(opts.max_batch_size, max_draft_len_for(widest), TrtllmOptions().max_num_tokens)
     elif drafter_ref is not None:
         pass  # missing: the dry run says so; the block size is checked once it is there
@@ -97,6 +101,8 @@ def resolve_inputs(opts: BuildOptions, missing_ok: bool = False) -> Inputs:
         block_size = 1  # nothing to choose from: plain decoding (the plan says so)
     elif block_size != 1:
         raise DFlashError(f"--block-size {block_size} needs a drafter")
+    check_parallel_split(opts, target_config.shape if target_config else None,
+                         drafter_config.shape if drafter_config else None)
     max_context = opts.max_context or (preset.max_context if preset else 2048)
     return Inputs(target_dir, drafter_dir, drafter_config, preset.name if preset else None, block_size, max_context,
                   target_ref, drafter_ref, tuple(missing))
@@ -105,14 +111,49 @@ def resolve_inputs(opts: BuildOptions, missing_ok: bool = False) -> Inputs:
 def fetch_command(inputs: Inputs) -> str:
     """One command that fetches every missing checkpoint named by a hub id (a missing path is for the user)."""
     refs = [ref for ref, found in ((inputs.target_ref, inputs.target_dir), (inputs.drafter_ref, inputs.drafter_dir))
-            if ref and found is None and not ref.startswith(("/", ".", "~")) and ref.count("/") == 1]
+            if ref and found is None and is_hub_id(ref)]
     return " && ".join(f"hf download {ref}" for ref in refs)
+
+
+def check_parallel_split(opts: BuildOptions, target: TransformerShape | None,
+                         drafter: TransformerShape | None) -> str | None:
+    """Refuse --tensor-parallel-size and --pipeline-parallel-size that TensorRT-LLM cannot split the target and
+    the drafter by (builder/trtllm.py), judged on their config.json, else on the preset's known shape.
+    Returns what could not be judged (a target not here yet: the build judges it once it is), else None."""
+    tp, pp = opts.tensor_parallel_size, opts.pipeline_parallel_size
+    if opts.runtime != "trtllm" or (tp, pp) == (1, 1):
+        return None
+    from builder.trtllm import check_pipeline_stages, check_tensor_parallel
+
+    preset = PRESETS.get(opts.target)
+    if target is not None:
+        check_tensor_parallel(tp, target.num_heads, target.num_kv_heads, opts.target)
+        check_pipeline_stages(pp, target.num_layers, opts.target)
+    elif preset is not None:
+        check_tensor_parallel(tp, preset.heads, preset.kv_heads, opts.target)
+        check_pipeline_stages(pp, preset.layers, opts.target)
+    if drafter is not None:  # on the same GPUs, split by the same tensor-parallel mapping
+        check_tensor_parallel(tp, drafter.num_heads, drafter.num_kv_heads, f"the drafter of {opts.target}")
+    if target is None and preset is None:
+        sizes = " and ".join(f"{flag} {n}" for flag, n in (("--tensor-parallel-size", tp),
+                                                           ("--pipeline-parallel-size", pp)) if n > 1)
+        return (f"{sizes} not checked against {opts.target}'s attention heads and layers: its config.json is not "
+                "here (the build checks once the checkpoint is)")
+    return None
+
+
+def local_shape(target: str) -> TransformerShape | None:
+    """The shape in a local target checkpoint's config.json (--check reads no more of it), None elsewhere."""
+    config = Path(target) / "config.json"
+    return TransformerShape.from_dict(read_json(config), str(config)) if config.is_file() else None
 
 
 def checked_flags(opts: BuildOptions) -> str:
     """The flags check_options judged, as a command line: the target and runtime, and the others set."""
     flags = [("--target", opts.target), ("--runtime", opts.runtime)]
     flags += [(flag, value) for flag, value, default in [
+        ("--drafter", opts.drafter, "preset"), ("--device", opts.device, "auto"),
+        ("--max-context", opts.max_context, None),
         ("--gpu", opts.gpu, None), ("--quant", opts.quant, "none"), ("--kv-cache", opts.kv_cache, "none"),
         ("--tensor-parallel-size", opts.tensor_parallel_size, 1),
         ("--pipeline-parallel-size", opts.pipeline_parallel_size, 1),
@@ -142,7 +183,10 @@ def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
                      f"tp {opts.tensor_parallel_size}, "
                      f"pp {opts.pipeline_parallel_size}, max batch {opts.max_batch_size}) and render the LLM-API "
                      f"model repository into {output / REPOSITORY_DIR}; validate them where tensorrt_llm imports")
-    if opts.sanity_tokens:
+    if opts.sanity_tokens and inputs.drafter_ref is None:
+        steps.append(f"sanity run: {len(SANITY_PROMPTS)} prompts x {opts.sanity_tokens} tokens, plain decoding (no "
+                     "drafter to compare): the build loads and generates, tokens/s")
+    elif opts.sanity_tokens:
         steps.append(f"sanity run: {len(SANITY_PROMPTS)} prompts x {opts.sanity_tokens} tokens, "
                      "autoregressive vs DFlash, token identity, tau"
                      + (f"; profile step times for block size auto -> {output / VERIFY_PROFILE_FILE}"
@@ -187,7 +231,8 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
 def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
     """Autoregressive vs DFlash on the built artifacts: token identity, tau and speed. With block size
     auto, the engine's profile of step times (all batch sizes up to the build's) goes to
-    VERIFY_PROFILE_FILE for the server."""
+    VERIFY_PROFILE_FILE for the server. Without a drafter: plain decoding only, its speed (the build loads
+    and generates; there is nothing to compare)."""
     from dflash_runtime.pipeline import load_pipeline
     from dflash_tools.benchmark import measure
 
@@ -195,6 +240,9 @@ def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
     pipe = load_pipeline(str(build / TARGET_DIR), drafter, opts.dtype, opts.device)
     prompts = [pipe.encode(p) for p in SANITY_PROMPTS]
     autoregressive = pipe.engine(block_size=1, max_batch_size=1, max_context=inputs.max_context)
+    if drafter is None:
+        plain = measure(pipe, None, autoregressive, {}, prompts, opts.sanity_tokens, "sanity")
+        return {"num_prompts": plain["num_prompts"], "tokens_per_second": plain["tokens_per_second"]}
     dflash = pipe.engine(block_size=inputs.block_size, max_batch_size=opts.max_batch_size,
                          max_context=inputs.max_context)
     result = measure(pipe, None, autoregressive, {str(inputs.block_size): dflash}, prompts, opts.sanity_tokens,
@@ -237,6 +285,8 @@ def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
     inputs = resolve_inputs(opts)
     output = output.resolve()
     _check_writable(output.parent)
+    for folder in remove_abandoned(output):
+        print(f"build.py: note: removed {folder}, left by a build that was killed", file=sys.stderr)
     hashes = {"target": file_hashes(inputs.target_dir),
               "drafter": file_hashes(inputs.drafter_dir) if inputs.drafter_dir else {}}
     key = build_key({**asdict(opts), "block_size": inputs.block_size, "max_context": inputs.max_context}, hashes)
@@ -247,26 +297,15 @@ def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
             existing = {}
         if existing.get("build_key") == key:
             return {**existing, "reused": True}
-    stage = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     try:
-        manifest = _build_into(stage, output, inputs, opts, hashes, key, started, force)
-        if output.exists():
-            old = output.with_name(f".{output.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            output.rename(old)
-            stage.rename(output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            stage.rename(output)
+        with partial_folder(output) as stage:  # removed on any error or interruption, unless published
+            manifest = _build_into(stage, output, inputs, opts, hashes, key, started, force)
+            publish(stage, output)
         for kept in kept_quantizations(output):  # the build holds its quantized target now
             shutil.rmtree(kept, ignore_errors=True)
     except OSError as e:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise DFlashError(f"writing the build failed ({e.strerror or e}: {e.filename or stage}); nothing was "
-                          "published. Check free disk space and permissions.") from None
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
+        raise DFlashError(f"writing the build failed ({e.strerror or e}: {e.filename or output.parent}); nothing "
+                          "was published. Check free disk space and permissions.") from None
     return manifest
 
 
@@ -356,9 +395,7 @@ def write_trtllm_artifacts(stage: Path, inputs: Inputs, opts: BuildOptions, veri
                                 render_trtllm_repository, serve_command, validate_llm_args,
                                 write_extra_llm_api_options)
 
-    drafter = inputs.drafter
-    if drafter is None:
-        raise DFlashError("--runtime trtllm serves DFlash: it needs a drafter")
+    drafter = inputs.drafter  # check_options refused --runtime trtllm without one
     schedule = None
     if inputs.profiles and verify_profile and opts.device.startswith("cuda"):
         schedule = draft_len_schedule(verify_profile["seconds"], verify_profile["acceptance_rates"])
@@ -429,7 +466,9 @@ def summary(manifest: dict, output: Path) -> str:
             rows.append(("", f"DFlash context cache {trtllm['dflash_context_cache_gib']} GiB per GPU beside the "
                              "KV-cache pool (upstream's estimate; lower --max-batch-size or --max-context if it does "
                              "not fit)"))
-    if sanity:
+    if sanity and "dflash" not in sanity:
+        rows.append(("sanity", f"plain decoding (no drafter): {sanity['tokens_per_second']['autoregressive']} tok/s"))
+    elif sanity:
         (block, dflash), = sanity["dflash"].items()
         rates = sanity["tokens_per_second"]
         rows += [("sanity", f"tau {dflash['mean_acceptance_length']}, DFlash {rates[f'dflash {block}']} tok/s vs "
@@ -499,6 +538,9 @@ def _run(args: argparse.Namespace) -> int:
         for note in option_notes(opts):
             print(f"build.py: note: {note}", file=sys.stderr)
         if args.check:  # the device is the build machine's, not this one's: left as given
+            unchecked = check_parallel_split(opts, local_shape(opts.target), None)
+            if unchecked:
+                print(f"build.py: note: {unchecked}", file=sys.stderr)
             print(f"check: ok: {checked_flags(opts)}")
             return 0
         if output.exists() and not output.is_dir():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,11 @@ from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, PRESETS, bl
 RUNTIMES = ("torch", "trtllm")
 QUANT_FORMATS = ("none", "fp8", "nvfp4")
 KV_CACHE_FORMATS = ("none", "fp8")
+DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")  # what dflash_runtime.pipeline.resolve_device and torch take
+# --max-context must hold a prompt and one whole draft block verified beside it, else speculation never runs a
+# full step. The prompt's share is a short chat turn: SmolLM2's chat template alone makes 31 tokens of "Hi" (its
+# default system prompt included); Qwen3's makes 9.
+MIN_PROMPT_TOKENS = 32
 
 BUILD_DESCRIPTION = """python builder/build.py: a target and its DFlash drafter -> a deployable, self-describing build.
 
@@ -26,8 +32,9 @@ BUILD_DESCRIPTION = """python builder/build.py: a target and its DFlash drafter 
                          report, sanity run (tau, speed, token identity), time taken
 
 The build is written to a temporary folder beside <output> and renamed at the end: a failed or
-interrupted build never looks complete. Re-running with the same inputs, options, model-repository
-templates and project version reuses the existing build (compared by hash); --force rebuilds.
+interrupted build never looks complete (one killed hard leaves its folder, which the next build removes).
+Re-running with the same inputs, options, model-repository templates and project version reuses the existing
+build (compared by hash); --force rebuilds.
 """
 
 
@@ -60,11 +67,43 @@ class BuildOptions:
     sanity_tokens: int = 32
 
 
+def names_a_drafter(opts: BuildOptions) -> bool:
+    """Whether the build has a drafter: --drafter names one, or is "preset" for a preset that has one."""
+    if opts.drafter == "preset":
+        preset = PRESETS.get(opts.target)
+        return preset is not None and preset.drafter is not None
+    return opts.drafter != "none"
+
+
+def known_block_size(opts: BuildOptions) -> int:
+    """The widest step the options alone tell of: 1 without a drafter, a fixed --block-size, a preset drafter's
+    block; else 2, the narrowest a drafter has (resolve_inputs checks again with the drafter's config)."""
+    if not names_a_drafter(opts):
+        return 1
+    if opts.block_size != AUTO_BLOCK_SIZE:
+        return opts.block_size
+    preset = PRESETS.get(opts.target)
+    return preset.block_size if preset is not None and opts.drafter == "preset" else 2
+
+
+def check_context_room(max_context: int, block_size: int) -> None:
+    """Refuse a --max-context without room for a short chat prompt and a whole block (MIN_PROMPT_TOKENS)."""
+    least = MIN_PROMPT_TOKENS + block_size
+    if max_context < least:
+        block = f"the drafter's block of {block_size} verified in one step" if block_size > 1 else "a new token"
+        raise DFlashError(f"--max-context {max_context} leaves no room for a prompt and a block: use {least} or more "
+                          f"({MIN_PROMPT_TOKENS} tokens for a short chat prompt, {block})")
+
+
 def check_options(opts: BuildOptions) -> None:
-    """Refuse what the options alone rule out (runtime, quantization, GPU, parallelism, the preset's
-    runtimes), without checkpoints or devices: resolve_inputs' first step, and what `--check` runs."""
+    """Refuse what the options alone rule out (runtime, device, quantization, GPU, parallelism, the preset's
+    runtimes, a context too short), without checkpoints or devices: resolve_inputs' first step, and what
+    `--check` runs."""
     if opts.runtime not in RUNTIMES:
         raise DFlashError(f"unknown runtime {opts.runtime!r} (known: {', '.join(RUNTIMES)})")
+    if not DEVICES.fullmatch(opts.device):
+        raise DFlashError(f"--device {opts.device} is not a device of the torch runtime: use auto, cpu, cuda or "
+                          "cuda:N")
     preset = PRESETS.get(opts.target)
     if preset is not None and opts.runtime not in preset.runtimes:
         raise DFlashError(f"preset {preset.name} runs on --runtime {' or '.join(preset.runtimes)} only, not "
@@ -75,16 +114,22 @@ def check_options(opts: BuildOptions) -> None:
     for flag, value, least in (("--max-batch-size", opts.max_batch_size, 1),
                                ("--max-queue-size", opts.max_queue_size, 0),
                                ("--calib-samples", opts.calib_samples, 1), ("--sanity-tokens", opts.sanity_tokens, 0),
-                               ("--max-context", 2 if opts.max_context is None else opts.max_context, 2),
                                ("--tensor-parallel-size", opts.tensor_parallel_size, 1),
                                ("--pipeline-parallel-size", opts.pipeline_parallel_size, 1)):
         if value < least:
             raise DFlashError(f"{flag} must be >= {least}, got {value}")
+    if opts.max_context is not None:
+        check_context_room(opts.max_context, known_block_size(opts))
     if opts.runtime == "trtllm":
         from builder.trtllm import check_gpu_support, resolve_gpu
 
         if opts.gpu is None:
             raise DFlashError("--runtime trtllm needs --gpu (the serving GPU, e.g. h100, h200, b200)")
+        if not names_a_drafter(opts):
+            named = ("--drafter none" if opts.drafter == "none" else
+                     f"--target {opts.target} has no preset drafter: name one with --drafter")
+            raise DFlashError(f"--runtime trtllm serves DFlash (TensorRT-LLM's DFlashDecodingConfig) and needs a "
+                              f"drafter ({named}); plain decoding builds with --runtime torch")
         check_gpu_support(resolve_gpu(opts.gpu), opts.quant, "fp8" if opts.kv_cache == "fp8" else "auto",
                           opts.dflash_attention)
     elif (opts.tensor_parallel_size, opts.pipeline_parallel_size) != (1, 1):
@@ -121,8 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
                "runtimes: torch = this project's PyTorch engine (CPU or CUDA). TensorRT-LLM supports DFlash only in "
                "its PyTorch backend (>= 1.3, LLM API); the legacy trtllm-build engine flow has no DFlash.")
     parser.add_argument("--target", default=DEFAULT_PRESET,
-                        help=f"preset or HF checkpoint directory (default: {DEFAULT_PRESET})")
-    parser.add_argument("--drafter", default="preset", help="drafter directory, 'preset' (default) or 'none'")
+                        help=f"preset, HF checkpoint directory, or hub id (org/name) in the local Hugging Face cache "
+                             f"(default: {DEFAULT_PRESET})")
+    parser.add_argument("--drafter", default="preset",
+                        help="drafter directory or hub id; 'preset' (default): the preset's drafter, none for another "
+                             "target; 'none': plain decoding (--runtime torch)")
     parser.add_argument("--train-drafter", metavar="ARGS",
                         help="first train a drafter for the target with dflash-train-drafter ARGS, then build "
                              "with it; write --train-drafter='ARGS' (see dflash-train-drafter --help); resumable in "
@@ -148,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "drafter's block, from a profile of step times the sanity run records; a number fixes it")
     parser.add_argument("--max-batch-size", type=int, default=8,
                         help="sequences decoded together (KV-cache slots; default: 8)")
-    parser.add_argument("--max-context", type=int, help="context limit in tokens (default: the preset's, else 2048)")
+    parser.add_argument("--max-context", type=int,
+                        help="context limit in tokens (default: the preset's, else 2048); at least "
+                             f"{MIN_PROMPT_TOKENS} for a prompt + the drafter's block")
     parser.add_argument("--max-queue-size", type=int, default=64,
                         help="requests that may wait for a slot (default: 64)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -163,10 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     only = parser.add_mutually_exclusive_group()  # --dry-run reads the checkpoints, --check must not
     only.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     only.add_argument("--check", action="store_true",
-                      help="check the flags (runtime, GPU, quantization, parallelism, the preset's runtimes) "
-                           "without reading checkpoints or devices or writing the output, e.g. a build Job's "
-                           "command on a machine without either: print what was checked and exit 0, or the error "
-                           "and exit 2. --device is left to the build machine; with --train-drafter its ARGS are "
+                      help="check the flags (runtime, device, GPU, quantization, the context length, the "
+                           "preset's runtimes, the parallel sizes against the target's attention heads and layers "
+                           "where its shape is known: a preset's, or a local checkpoint's config.json) without "
+                           "reading weights or devices or writing the output, e.g. a build Job's command on a "
+                           "machine without either: print what was checked and exit 0, or the error and exit 2. "
+                           "Whether --device exists is left to the build machine; with --train-drafter its ARGS are "
                            "checked too")
     return parser
 

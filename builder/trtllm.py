@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,6 +155,40 @@ def check_gpu_support(gpu: Gpu, quantization: str, kv_cache_dtype: str = "auto",
             raise DFlashError(f"DFlash attention backend {dflash_attention_backend} needs "
                               f"{' or '.join(f'SM{sm}' for sm in sms)} ({', '.join(fits)}); on {gpu} use "
                               + " or ".join(usable))
+
+
+# --- Parallelism against the model's shape ------------------------------------------------------------
+
+# How TensorRT-LLM's PyTorch backend splits a model (read in the source): attention by heads, each rank taking
+# num_heads / tp query heads (`assert self.num_heads % tp_size == 0`) and ceil(kv_heads / tp) KV heads
+# (UPSTREAM_TP_HEADS); the KV weights are split where kv_heads >= tp (then kv_heads % tp == 0) and copied
+# to tp / kv_heads ranks each where kv_heads < tp (then tp % kv_heads == 0: duplicate_kv_weight,
+# UPSTREAM_TP_KV_HEADS); the pipeline by layers, at least one per stage (`num_hidden_layers >= pp_size`,
+# DecoderModel.__pp_init__, same file). The drafter is such a model too (DFlashForCausalLM builds its architecture's
+# model class, tensorrt_llm/_torch/models/modeling_dflash.py): its attention heads are split the same way.
+UPSTREAM_TP_HEADS = "tensorrt_llm/_torch/modules/attention.py @ c6d3bb2aae305e0b5ac1b97b7954dcf87d653322"
+UPSTREAM_TP_KV_HEADS = "tensorrt_llm/_torch/models/modeling_utils.py @ cb4c622cf5bb97009451f7f44609498a48a2b11d"
+
+
+def splits_heads(tp: int, heads: int, kv_heads: int) -> bool:
+    """Whether TensorRT-LLM can give `tp` GPUs equal shares of the attention (UPSTREAM_TP_HEADS)."""
+    kv_split = kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0
+    return heads % tp == 0 and kv_split
+
+
+def check_tensor_parallel(tp: int, heads: int, kv_heads: int, model: str) -> None:
+    """Refuse a --tensor-parallel-size that `model`'s attention heads do not split by, naming those that do."""
+    if not splits_heads(tp, heads, kv_heads):
+        fits = [n for n in range(1, heads + 1) if splits_heads(n, heads, kv_heads)]
+        raise DFlashError(f"--tensor-parallel-size {tp} does not split {model}'s {heads} attention heads "
+                          f"({kv_heads} KV heads) evenly over {tp} GPUs, which TensorRT-LLM requires: use "
+                          f"{', '.join(map(str, fits))}")
+
+
+def check_pipeline_stages(pp: int, layers: int, model: str) -> None:
+    if pp > layers:
+        raise DFlashError(f"--pipeline-parallel-size {pp} is more stages than {model}'s {layers} layers: "
+                          f"TensorRT-LLM needs a layer per stage at least; use {layers} at most")
 
 
 # --- LLM API options --------------------------------------------------------------------------------

@@ -161,7 +161,8 @@ def stream_answer(client: DFlashClient, prompt: Prompt, params: GenerationParams
 
 def summary(result: Generation) -> str:
     s, t = result.stats, result.timings
-    return (f"[{result.finish_reason}; acceptance length {s.mean_acceptance_length:.2f} over {s.draft_steps} steps, "
+    tau = "none" if s.mean_acceptance_length is None else f"{s.mean_acceptance_length:.2f}"
+    return (f"[{result.finish_reason}; acceptance length {tau} over {s.draft_steps} steps, "
             f"{s.accepted_draft_tokens}/{s.draft_tokens} drafts accepted; "
             f"first text {t.ttft:.2f} s, total {t.total:.2f} s]")
 

@@ -1,9 +1,10 @@
 """Exceptions raised by the clients, and how a server's error message maps to one of them.
 
 The server's error codes do not survive the trip: a Triton gRPC stream carries an error as a bare
-message (no status code), HTTP generate answers 400 for every error, and an ensemble prefixes its
-own words. So the class of an error is read from its message (dflash_contract.protocol.error_class:
-the phrases the server's models use, and Triton's own), and the clients act on the class.
+message (no status code), HTTP generate answers 400 for every model's error (500 for a body Triton cannot
+read), and an ensemble prefixes its own words. So the class of an error is read from its message
+(dflash_contract.protocol.error_class: the phrases the server's models use, and Triton's own), and the
+clients act on the class.
 """
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def summarize(outcomes: list[Outcome], seconds: float, count_tokens: Callable[[s
     tokens = [count_tokens(o.generation.text) for o in done]
     latencies = [t for o in done for t in o.generation.timings.token_latencies(count_tokens)]
     steps = sum(o.generation.stats.draft_steps for o in done)
-    committed = sum(o.generation.stats.draft_steps * o.generation.stats.mean_acceptance_length for o in done)
+    committed = sum(o.generation.stats.draft_steps + o.generation.stats.accepted_draft_tokens for o in done)
     return {
         "requests": len(outcomes),
         "failed": len(outcomes) - len(done),

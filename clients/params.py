@@ -33,6 +33,9 @@ class GenerationParams:
     stop: tuple[str, ...] = ()  # stop strings: generation ends at the token completing one, which the text keeps
     end_id: int | None = None  # replaces the model's end-of-sequence ids (TensorRT-LLM semantics)
     min_tokens: int = 0  # no stop (end of sequence, stop string) before this many tokens
+    # True: max_tokens is a ceiling the server lowers to what its context leaves after the prompt, rather than
+    # refusing prompt + max_tokens over the context (the OpenAI gateway's defaults)
+    clip_max_tokens: bool = False
 
     def __post_init__(self):
         # The tensor types bound what fits (INT32, UINT64); within them, the server's ranges.

@@ -11,9 +11,9 @@ class SpeculationStats:
 
     accepted_draft_tokens: int = 0
     draft_tokens: int = 0
-    acceptance_rate: float = 0.0  # accepted / drafted
+    acceptance_rate: float | None = None  # accepted / drafted; None: nothing drafted (or the server sends none)
     draft_steps: int = 0  # verify passes
-    mean_acceptance_length: float = 0.0  # tokens committed per verify pass (accepted drafts + 1), "tau"
+    mean_acceptance_length: float | None = None  # tokens per verify pass (accepted drafts + 1), "tau"; None: none
     prompt_tokens: int = 0  # the templated prompt's tokens
     completion_tokens: int = 0  # generated so far
 

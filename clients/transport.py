@@ -108,6 +108,8 @@ class Request:
                   "top_k": p.top_k, "top_p": p.top_p}
         if p.min_tokens:
             fields["min_tokens"] = p.min_tokens
+        if p.clip_max_tokens:
+            fields["clip_max_tokens"] = True
         if p.seed is not None:
             fields["seed"] = p.seed
         if p.end_id is not None:
@@ -386,6 +388,8 @@ def _llmapi_fields(request: Request, prompt: str) -> dict[str, object]:
             raise InvalidRequest(invalid_request(
                 f"{name} is not available with TensorRT-LLM's LLM-API model ({LLMAPI_MODEL}): it has no such input"
                 + (" (the end-of-sequence ids come from the tokenizer)" if name == "end_id" else "")))
+    # clip_max_tokens needs no input: TensorRT-LLM lowers every max_tokens past max_seq_len to what the prompt leaves
+    # (executor/base_worker.py, _deduce_max_tokens)
     fields = {"text_input": [prompt], "streaming": request.stream, "sampling_param_max_tokens": p.max_tokens,
               "sampling_param_temperature": p.temperature, "sampling_param_top_k": p.top_k,
               "sampling_param_top_p": p.top_p, "sampling_param_return_perf_metrics": True,

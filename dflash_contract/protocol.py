@@ -39,6 +39,9 @@ FRONT_INPUTS = {
     # [{"type": "text", "text": str}, ...]}, ...], put in the target's chat template with the generation prompt
     "messages": "BYTES",
     "max_tokens": "INT32",
+    # true: max_tokens is a ceiling, lowered to what the context leaves after the prompt instead of refused
+    # (the OpenAI gateway's defaults, for a request that sets none, as vLLM caps its default)
+    "clip_max_tokens": "BOOL",
     "min_tokens": "INT32",  # no stop (end-of-sequence ids, stop words) before this many tokens
     "min_length": "INT32",  # the older name of min_tokens (genai-perf 0.0.16 sends it)
     "stream": "BOOL",
@@ -57,8 +60,8 @@ FRONT_INPUTS = {
 PROMPT_INPUTS = ("text_input", "messages")
 MESSAGE_ROLES = ("system", "user", "assistant")
 # What the front model passes on to the `dflash` engine model unchanged (text goes through preprocessing).
-ENGINE_INPUTS = ("max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p", "seed", "random_seed",
-                 "end_id", "pad_id", "stop_words", "bad_words")
+ENGINE_INPUTS = ("max_tokens", "clip_max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p", "seed",
+                 "random_seed", "end_id", "pad_id", "stop_words", "bad_words")
 # `dflash` model outputs besides the statistics: a window of token ids and how many were shown before.
 TOKEN_OUTPUTS = ("output_ids", "read_offset")
 FINISH_REASON = "finish_reason"  # BYTES: "" while running, then "stop", "length" or "cancelled"
@@ -73,6 +76,8 @@ class Statistic:
 
 # Per-request counts, cumulative over the request, in every response of `dflash` and the front models: the
 # speculation statistics, and the prompt's and the output's tokens (usage, exact: the server's own tokens).
+# The two ratios are left out of a response while they have nothing to report: mean_acceptance_length before the
+# first verify step (a 1-token answer has none), acceptance_rate before the first draft; null in JSON doors.
 STATISTICS = (
     Statistic("total_accepted_draft_tokens", "INT32", "accepted_draft_tokens"),
     Statistic("total_draft_tokens", "INT32", "draft_tokens"),
@@ -85,16 +90,16 @@ STATISTICS = (
 
 
 def response_statistics(draft_steps: int, accepted_draft_tokens: int, draft_tokens: int, prompt_tokens: int,
-                        completion_tokens: int) -> dict[str, float | int]:
-    """The STATISTICS values of a request (by field), from the engine's counts."""
+                        completion_tokens: int) -> dict[str, float | int | None]:
+    """The STATISTICS values of a request (by field), from the engine's counts; None: nothing to report yet."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "accepted_draft_tokens": accepted_draft_tokens,
         "draft_tokens": draft_tokens,
-        "acceptance_rate": accepted_draft_tokens / draft_tokens if draft_tokens else 0.0,
+        "acceptance_rate": accepted_draft_tokens / draft_tokens if draft_tokens else None,
         "draft_steps": draft_steps,
-        "mean_acceptance_length": (accepted_draft_tokens + draft_steps) / draft_steps if draft_steps else 0.0,
+        "mean_acceptance_length": (accepted_draft_tokens + draft_steps) / draft_steps if draft_steps else None,
     }
 
 
@@ -267,9 +272,9 @@ def _shown(name: str) -> str:
 
 
 # Error classes: what a client can do about a failed request. Triton's error codes do not survive every
-# path (a gRPC stream carries an error as a bare message; HTTP generate answers 400 for every error; an
-# ensemble puts "in ensemble '...', " in front), so each class is recognisable by its words, defined
-# here for the server's messages and the clients' matching (error_class):
+# path (a gRPC stream carries an error as a bare message; HTTP generate answers 400 for every model's error
+# and 500 for a body Triton cannot read; an ensemble puts "in ensemble '...', " in front), so each class is
+# recognisable by its words, defined here for the server's messages and the clients' matching (error_class):
 #   INVALID_ARG  a malformed request: fix it, do not retry. Ours read "invalid request: <field> ...";
 #                Triton's own door checks (types, shapes, input counts) have TRITON_REFUSAL_PHRASES.
 #   UNAVAILABLE  at capacity, shutting down, or the engine is dead: retry later or on another replica.
@@ -288,8 +293,14 @@ TRITON_REFUSAL_PHRASES = ("expected number of inputs between", "inputs but got",
                           "unexpected shape for input", "data-type is", "batch-size must be",
                           "input byte size mismatch", "string elements for inference input",
                           "has no shape but model requires batch dimension", "request has 0 inputs",
-                          "has invalid type. It should be either")  # an HTTP generate field (list, object, null)
-                                                                    # that names no input
+                          "has invalid type. It should be either",  # an HTTP generate field (list, object,
+                                                                     # null) that names no input
+                          # HTTP generate / generate_stream bodies Triton cannot read (status 500, measured on
+                          # 2.51): not JSON or not an object, a value of the wrong JSON type for its input
+                          # ("32" for an integer, messages as a list), and "stream": true on generate
+                          "failed to parse the request JSON buffer", "attempt to get members for non-object",
+                          "Unable to parse 'data'", "Unable to parse JSON bytes array",
+                          "generate expects model to produce exactly 1 response")
 
 
 def invalid_request(detail: str) -> str:

@@ -15,10 +15,17 @@ from pathlib import Path
 # openai: the OpenAI-compatible gateway (dflash_gateway) beside tritonserver; 9000 is Triton's own OpenAI frontend's
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "openai": 9000}
 GATEWAY_HEALTH_PATH = "/health"  # 200 only while tritonserver is ready
+GATEWAY_METRICS_PATH = "/metrics"  # the gateway's own metrics, on its port (tritonserver's are on the metrics port)
 OPENAI_API_KEY_ENV = "DFLASH_OPENAI_API_KEY"  # the gateway's API key, when one is required
 READY_PATH = "/v2/health/ready"
 LIVE_PATH = "/v2/health/live"
 METRICS_PATH = "/metrics"
+# Request latency buckets (seconds), of the server's metrics and the gateway's. A token costs ~1-5 ms on a GPU
+# (several per DFlash step) and tens of ms on a CPU; the first one adds the prefill and the wait for a slot (the
+# queue timeout is 60 s by default); answers run to minutes.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 # The drain protocol: on SIGTERM dflash-serve creates the drain file before it signals tritonserver.
 # Triton tells a Python model nothing until it unloads it, which happens only after in-flight

@@ -211,8 +211,13 @@ def resolve_checkpoint(ref: str) -> Path:
         ) from None
 
 
+def is_hub_id(ref: str) -> bool:
+    """Whether a checkpoint reference names a Hugging Face Hub repository (org/name) rather than a path."""
+    return ref.count("/") == 1 and not ref.startswith(("/", ".", "~"))
+
+
 def resolve_target(ref: str) -> tuple[Path, Preset | None]:
-    """A target directory (HF layout) and its preset, from a preset name or a directory."""
+    """A target directory (HF layout) and its preset, from a preset name, a directory or a hub id (org/name)."""
     if ref in PRESETS:
         preset = PRESETS[ref]
         if preset.gguf is not None:
@@ -224,4 +229,7 @@ def resolve_target(ref: str) -> tuple[Path, Preset | None]:
         return resolve_checkpoint(preset.target), preset
     if Path(ref).is_dir():
         return Path(ref), None
-    raise DFlashError(f"{ref!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    if is_hub_id(ref):  # from the local Hugging Face cache
+        return resolve_checkpoint(ref), None
+    raise DFlashError(f"{ref!r} is neither a preset ({', '.join(PRESETS)}), a checkpoint directory nor a hub id "
+                      "(org/name)")

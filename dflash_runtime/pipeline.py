@@ -14,7 +14,7 @@ from .drafter import DFlashDrafter, load_drafter
 from .engine import SpeculativeEngine
 from .target import TargetModel, load_target
 from .verify_length import StepCosts
-from .text import decode, encode_prompt, load_tokenizer
+from .text import decode_complete, encode_prompt, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO = "auto"  # device: CUDA when there is one; dtype: bfloat16 on CUDA, float32 on a CPU
@@ -63,7 +63,8 @@ class Pipeline:
         return encode_prompt(self.tokenizer, text, chat, allow_special_tokens=allow_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
-        return decode(self.tokenizer, ids)
+        """The text of ids, as the server sends it: an unfinished character at the end is not text yet."""
+        return decode_complete(self.tokenizer, ids)
 
 
 def load_pipeline(target: str, drafter: str | None = "preset", dtype: str = "float32",

@@ -166,8 +166,9 @@ class SamplingStats:
         return sum(self.acceptance_lengths) - self.draft_steps
 
     @property
-    def mean_acceptance_length(self) -> float:
-        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens committed per verify step; None before the first (a 1-token answer has none: nothing to report)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else None
 
     @property
     def conditional_acceptance(self) -> list[float]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from .config import DFlashError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+INCOMPLETE = "\ufffd"  # what decoding yields for the first bytes of an unfinished UTF-8 character
 # masks for special-token text while the template renders: Private Use Area characters, which no template treats
 # specially (trim, split); each is unmasked before the tokenizer sees it
 MASKS = range(0xE000, 0xF900)
@@ -89,3 +90,9 @@ def _encode_guarded(tokenizer, messages: list[dict[str, str]], specials: re.Patt
 
 def decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def decode_complete(tokenizer, ids: list[int]) -> str:
+    """The text of ids up to the last whole character: the first bytes of an unfinished UTF-8 character decode as
+    U+FFFD, which is no text of the model's (the next tokens complete it; an answer cut there ends before it)."""
+    return decode(tokenizer, ids).rstrip(INCOMPLETE)

@@ -5,4 +5,6 @@
 - requests: Triton request tensors -> prompt ids and SamplingParams, validated before the engine.
 - detokenize: stateless incremental detokenization (token windows -> text deltas).
 - model_args: what a Triton Python model reads from its `args` and config parameters.
+- metrics: requests counted by outcome and timed (first token, between tokens, end to end) at the front model
+  the client called, through the Python backend's metric families.
 """

@@ -7,11 +7,10 @@ word-piece or a multi-byte character that spans the boundary decode whole.
 """
 from __future__ import annotations
 
-from dflash_runtime.text import decode
+from dflash_runtime.text import decode_complete
 
 # Already-shown tokens sent again as decoding context (vLLM's incremental detokenizer uses 5 too).
 CONTEXT_TOKENS = 5
-INCOMPLETE = "\ufffd"  # what decoding yields for the first bytes of an unfinished UTF-8 character
 
 
 def token_window(output_ids: list[int], shown: int) -> tuple[list[int], int]:
@@ -20,14 +19,12 @@ def token_window(output_ids: list[int], shown: int) -> tuple[list[int], int]:
     return output_ids[start:], shown - start
 
 
-def text_delta(tokenizer, window: list[int], read_offset: int, final: bool) -> str:
+def text_delta(tokenizer, window: list[int], read_offset: int) -> str:
     """The text that window[read_offset:] adds after window[:read_offset].
 
-    An unfinished multi-byte character at the end is held back (it is sent once the next tokens
-    complete it) unless the stream is final.
+    An unfinished multi-byte character at the end is held back until the next tokens complete it; where none
+    come (an answer cut by max_tokens in the middle of a character) it is never sent: the answer ends before
+    it, not in U+FFFD.
     """
-    before = decode(tokenizer, window[:read_offset]).rstrip(INCOMPLETE)
-    after = decode(tokenizer, window)
-    if not final:
-        after = after.rstrip(INCOMPLETE)
-    return after[len(before):]
+    before = decode_complete(tokenizer, window[:read_offset])
+    return decode_complete(tokenizer, window)[len(before):]

@@ -53,8 +53,10 @@ def parse_front_request(tensor: TensorGetter, parameters: str = "{}") -> tuple[s
     return text, bool(scalar(tensor, "apply_chat_template", False))
 
 
-def parse_engine_request(tensor: TensorGetter) -> tuple[list[int], SamplingParams, bool]:
-    """(prompt ids, sampling parameters, stream?) of a `dflash` model request; DFlashError on bad input."""
+def parse_engine_request(tensor: TensorGetter, max_context: int) -> tuple[list[int], SamplingParams, bool]:
+    """(prompt ids, sampling parameters, stream?) of a `dflash` model request; DFlashError on bad input. With
+    clip_max_tokens, max_tokens is lowered to what `max_context` leaves after the prompt (a prompt that leaves no
+    room is still the engine's to refuse)."""
     ids = tensor("input_ids")
     if ids is None or ids.ndim != 2 or ids.shape[0] != 1:
         raise DFlashError("send one prompt per request (the server batches requests itself)")
@@ -63,8 +65,11 @@ def parse_engine_request(tensor: TensorGetter) -> tuple[list[int], SamplingParam
     check_numbers(tensor)
     check_words(tensor)
     end_id = scalar(tensor, "end_id")
+    max_tokens = int(scalar(tensor, "max_tokens"))
+    if scalar(tensor, "clip_max_tokens", False):
+        max_tokens = max(1, min(max_tokens, max_context - ids.shape[1]))
     params = SamplingParams(
-        max_new_tokens=int(scalar(tensor, "max_tokens")),
+        max_new_tokens=max_tokens,
         min_new_tokens=aliased(tensor, "min_tokens") or 0,
         temperature=float(scalar(tensor, "temperature", 0.0)),
         top_k=int(scalar(tensor, "top_k", 0)),

@@ -71,7 +71,8 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
             seq = engine.add_request(ids, params)
             outputs.append(modes[f"dflash {b}"].timed(lambda: _run_to_end(engine, seq)))
             stats[b].merge(seq.stats)
-            taus.append(f"tau[{b}] {seq.stats.mean_acceptance_length:.2f}")
+            tau = seq.stats.mean_acceptance_length
+            taus.append(f"tau[{b}] {'none' if tau is None else f'{tau:.2f}'}")
         same = all(o == outputs[0] for o in outputs)
         identical += same
         print(f"[{label} {n}/{len(prompts)}] {len(ids)} prompt tokens, {len(outputs[0])} new, {', '.join(taus)}, "
@@ -92,7 +93,7 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
 def speculation_summary(stats: SamplingStats) -> dict:
     """tau, the acceptance curve, the verify lengths used and the draft-to-verify time of a run."""
     return {
-        "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
+        "mean_acceptance_length": stats.mean_acceptance_length and round(stats.mean_acceptance_length, 3),
         "acceptance_by_position": [round(p, 4) for p in stats.conditional_acceptance],
         "verify_lengths": {str(k): n for k, n in sorted(Counter(stats.verify_lengths).items())},
         "draft_to_verify_time": round(stats.draft_seconds / max(stats.verify_seconds, 1e-9), 3),
@@ -160,7 +161,7 @@ def plot(summary: dict, path: str) -> None:
               title=f"acceptance by position (block {longest})")
     curve.legend()
     names = [(name, b) for name in sets for b in summary["block_sizes"]]
-    taus = [sets[name]["dflash"][b]["mean_acceptance_length"] for name, b in names]
+    taus = [sets[name]["dflash"][b]["mean_acceptance_length"] or 0 for name, b in names]  # 0: no verify step
     bars.bar([f"{name}\n{b}" for name, b in names], taus)
     for i, (name, b) in enumerate(names):
         bars.text(i, taus[i], f"{sets[name]['dflash'][b]['speedup_vs_autoregressive']:.2f}x", ha="center", va="bottom")

@@ -100,9 +100,7 @@ def run(args: argparse.Namespace) -> dict:
     while engine.has_unfinished():
         engine.step()
         if not args.json and pipe.tokenizer is not None:
-            text = pipe.decode(seq.output_ids)
-            # hold back a trailing replacement char: the next token may complete a multi-byte character
-            safe = text.rstrip("\ufffd") if not seq.finished else text
+            safe = pipe.decode(seq.output_ids)  # without an unfinished character: the next token may complete it
             if safe.startswith(printed):
                 sys.stdout.write(safe[len(printed):])
                 sys.stdout.flush()
@@ -117,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
         "block_size": args.block_size if pipe.drafter is not None else 1,
         "verify_lengths": stats.verify_lengths,
         "acceptance_lengths": stats.acceptance_lengths,
-        "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
+        "mean_acceptance_length": stats.mean_acceptance_length and round(stats.mean_acceptance_length, 3),
         "accepted_by_position": stats.accepted_by_position,
         "reached_by_position": stats.reached_by_position,
         "draft_seconds": round(stats.draft_seconds, 4),
@@ -143,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(f"[{result['num_output_tokens']} tokens, {result['tokens_per_second']} tokens/s, "
               f"block {result['block_size']} (verify lengths used: {sorted(set(result['verify_lengths']))}), "
-              f"mean acceptance length {result['mean_acceptance_length']}, finish: {result['finish_reason']}]",
+              f"mean acceptance length {result['mean_acceptance_length'] or 'none (no verify step)'}, "
+              f"finish: {result['finish_reason']}]",
               file=sys.stderr)
     return 0
 

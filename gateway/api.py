@@ -89,7 +89,7 @@ def chat_request(body: object, model_id: str, default_max_tokens: int) -> Transl
     messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                 for m in messages]
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    return _translated(body, _prompt(messages, chat=True), default_max_tokens if limit is None else limit,
+    return _translated(body, _prompt(messages, chat=True), limit, default_max_tokens,
                        "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
 
 
@@ -101,9 +101,8 @@ def completion_request(body: object, model_id: str) -> Translated:
     if not isinstance(prompt, str) or not prompt:
         raise invalid("prompt must be a non-empty string (one prompt per request; token-id prompts are not "
                       "supported)", "prompt")
-    limit = body.get("max_tokens")
-    return _translated(body, _prompt(prompt, chat=False), COMPLETION_DEFAULT_MAX_TOKENS if limit is None
-                       else limit, "max_tokens")
+    return _translated(body, _prompt(prompt, chat=False), body.get("max_tokens"), COMPLETION_DEFAULT_MAX_TOKENS,
+                       "max_tokens")
 
 
 def _prompt(prompt, chat: bool) -> dict:
@@ -137,7 +136,10 @@ def _checked(body: object, known: frozenset[str], model_id: str) -> dict:
     return body
 
 
-def _translated(body: dict, prompt: dict, max_tokens: object, max_tokens_name: str) -> Translated:
+def _translated(body: dict, prompt: dict, max_tokens: object, default_max_tokens: int,
+                max_tokens_name: str) -> Translated:
+    """max_tokens None: the default, which the server lowers to what the context leaves after the prompt (vLLM's
+    rule); a number the client sent is not lowered: past the context it is refused."""
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -149,8 +151,8 @@ def _translated(body: dict, prompt: dict, max_tokens: object, max_tokens_name: s
     if not isinstance(stream, bool):
         raise invalid("stream must be true or false", "stream")
     defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_tokens": 0}  # OpenAI's, and off
-    values = {"max_tokens": max_tokens, **{k: default if body.get(k) is None else body[k] for k, default in
-                                            defaults.items()}}
+    values = {"max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+              **{k: default if body.get(k) is None else body[k] for k, default in defaults.items()}}
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
             raise invalid(f"{_name(name, max_tokens_name)} must be a number", _name(name, max_tokens_name))
@@ -158,7 +160,8 @@ def _translated(body: dict, prompt: dict, max_tokens: object, max_tokens_name: s
     if not isinstance(ignore_eos, bool):
         raise invalid("ignore_eos must be true or false", "ignore_eos")
     try:  # end_id -1 replaces the end-of-sequence ids by one that never comes
-        params = GenerationParams(stop=tuple(s for s in stop if s), end_id=-1 if ignore_eos else None, **values)
+        params = GenerationParams(stop=tuple(s for s in stop if s), end_id=-1 if ignore_eos else None,
+                                  clip_max_tokens=max_tokens is None, **values)
     except InvalidRequest as e:  # the server's rules (ranges, limits), checked by the clients' GenerationParams
         name = next((n for n in (*values, "stop") if str(e).startswith(n)), None)
         message = str(e) if name is None else _name(name, max_tokens_name) + str(e)[len(name):]
@@ -201,8 +204,9 @@ def usage(stats: SpeculationStats) -> dict:
 
 def statistics(stats: SpeculationStats) -> dict:
     return {"draft_steps": stats.draft_steps, "accepted_draft_tokens": stats.accepted_draft_tokens,
-            "draft_tokens": stats.draft_tokens, "acceptance_rate": round(stats.acceptance_rate, 4),
-            "mean_acceptance_length": round(stats.mean_acceptance_length, 4)}
+            "draft_tokens": stats.draft_tokens,  # the ratios are None (null) with nothing to report
+            "acceptance_rate": stats.acceptance_rate and round(stats.acceptance_rate, 4),
+            "mean_acceptance_length": stats.mean_acceptance_length and round(stats.mean_acceptance_length, 4)}
 
 
 def chat_response(t: Translated, model_id: str, text: str, reason: str, stats: SpeculationStats) -> dict:

@@ -14,20 +14,21 @@ import hmac
 import json
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response as HTTPResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from clients.errors import (DFlashClientError, IncompleteResponse, InvalidRequest, RequestCancelled,
                             ServerUnavailable)
 from clients.transport import GrpcTransport, Response
 from dflash_contract.protocol import LIMITS
-from dflash_contract.server import GATEWAY_HEALTH_PATH
+from dflash_contract.server import GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH
 
 from . import api
 from .chat_template import ChatTemplate
+from .metrics import CHAT_PATH, COMPLETIONS_PATH, CONTENT_TYPE, FirstText, GatewayMetrics, MetricsMiddleware
 
 DISCONNECT_CHECK_SECONDS = 0.25  # how often a non-streamed request looks for its client
 RETRY_AFTER_SECONDS = 1
@@ -61,6 +62,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="DFlash OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
+    metrics = GatewayMetrics()
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.exception_handler(api.APIError)
     async def api_error(_, e: api.APIError):
@@ -79,6 +82,10 @@ def create_app(settings: Settings) -> FastAPI:
         state = await transport["grpc"].health()
         return JSONResponse({"ready": state.ready, "detail": state.detail}, status_code=200 if state.ready else 503)
 
+    @app.get(GATEWAY_METRICS_PATH)
+    async def prometheus_metrics():  # no API key: Prometheus sends none
+        return HTTPResponse(metrics.render(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     async def models(request: Request):
         _authorize(request, settings.api_key)
@@ -91,18 +98,22 @@ def create_app(settings: Settings) -> FastAPI:
             raise api.APIError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
         return _model(settings.model_id, started)
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat(request: Request):
+        started = time.monotonic()
         _authorize(request, settings.api_key)
         t = api.chat_request(await _json_body(request, settings.max_body_bytes), settings.model_id,
                              settings.default_max_tokens)
-        return await _answer(request, transport["grpc"], t, settings.model_id, chat=True)
+        return await _answer(request, transport["grpc"], t, settings.model_id, chat=True,
+                             first_text=FirstText(metrics, CHAT_PATH, started))
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH)
     async def completions(request: Request):
+        started = time.monotonic()
         _authorize(request, settings.api_key)
         t = api.completion_request(await _json_body(request, settings.max_body_bytes), settings.model_id)
-        return await _answer(request, transport["grpc"], t, settings.model_id, chat=False)
+        return await _answer(request, transport["grpc"], t, settings.model_id, chat=False,
+                             first_text=FirstText(metrics, COMPLETIONS_PATH, started))
 
     return app
 
@@ -151,7 +162,9 @@ def _api_error(e: DFlashClientError) -> api.APIError:
     return api.APIError(500, message)
 
 
-async def _answer(request: Request, transport: GrpcTransport, t: api.Translated, model_id: str, chat: bool):
+async def _answer(request: Request, transport: GrpcTransport, t: api.Translated, model_id: str, chat: bool,
+                  first_text: Callable[[], None]):
+    """One JSON response, or a stream of events (first_text() is called after each event with text)."""
     responses = transport.responses(t.request)
     try:
         first = await anext(responses, None)  # a refusal comes first, before any text: an HTTP status
@@ -161,7 +174,8 @@ async def _answer(request: Request, transport: GrpcTransport, t: api.Translated,
     if first is None:
         raise api.APIError(500, "the server ended the request without an answer")
     if t.stream:
-        return StreamingResponse(_events(t, model_id, chat, first, responses), media_type="text/event-stream",
+        return StreamingResponse(_events(t, model_id, chat, first, responses, first_text),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     collecting = asyncio.create_task(_collect(first, responses))
     while not collecting.done():  # a client that went away cancels its request (and frees its slot)
@@ -206,7 +220,7 @@ async def _next(responses: AsyncIterator[Response]) -> Response:
 
 
 async def _events(t: api.Translated, model_id: str, chat: bool, first: Response,
-                  responses: AsyncIterator[Response]) -> AsyncIterator[str]:
+                  responses: AsyncIterator[Response], first_text: Callable[[], None]) -> AsyncIterator[str]:
     """Server-sent events: the role, the text deltas, the one chunk with finish_reason, the usage chunk if asked
     for, then [DONE]; a failure midway is an error event before [DONE]. Cancelled (the client went away):
     the gRPC request is cancelled on the way out."""
@@ -229,8 +243,11 @@ async def _events(t: api.Translated, model_id: str, chat: bool, first: Response,
             while not _finished(response):
                 if response.text:
                     yield chunk(response.text)
+                    first_text()
                 response = await _next(responses)
             yield chunk(response.text, response.finish_reason, response.stats)
+            if response.text:
+                first_text()
             if t.include_usage:
                 yield chunk(None, stats=response.stats)
         except DFlashClientError as e:

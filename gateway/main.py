@@ -10,6 +10,12 @@ from dflash_contract.server import DRAIN_SECONDS, GATEWAY_HEALTH_PATH, OPENAI_AP
 
 from .app import Settings, create_app
 
+# How long an idle keep-alive connection stays open: longer than the clients' and load balancers' own idle limits
+# (httpx and the openai client 5 s, AWS ALB 60 s), so that they close it first. At uvicorn's default of 5 s a client
+# reusing a connection as the gateway closed it got "Server disconnected without sending a response" (seen on a
+# loaded machine, with the openai client).
+KEEP_ALIVE_SECONDS = 75
+
 EXAMPLES = f"""\
 examples:
   dflash-gateway --triton-url localhost:8001 --model-id smollm2-135m
@@ -38,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get(OPENAI_API_KEY_ENV) or None,
                         help=f"require this bearer token (default: ${OPENAI_API_KEY_ENV}; unset: no key)")
     parser.add_argument("--default-max-tokens", type=int, default=Settings.default_max_tokens,
-                        help="for chat requests that set neither max_completion_tokens nor max_tokens")
+                        help="for chat requests that set neither max_completion_tokens nor max_tokens; the server "
+                        "lowers it to what the context leaves after the prompt (vLLM's rule)")
     parser.add_argument("--max-body-bytes", type=int, default=Settings.max_body_bytes,
                         help="larger request bodies are refused with 413")
     parser.add_argument("--graceful-seconds", type=float, default=DRAIN_SECONDS,
@@ -53,10 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(args.triton_url, args.model_id, args.api_key, args.default_max_tokens, args.max_body_bytes,
                         args.target_dir)
     # bound here, so that port 0 is known before serving (and said once, for whoever started us)
-    sock = socket.create_server((args.host, args.port), reuse_port=False)
+    try:
+        sock = socket.create_server((args.host, args.port), reuse_port=False)
+    except OSError as e:  # on stdout: dflash-serve reads the first line to learn how the start went
+        reason = os.strerror(e.errno) if (e.errno or 0) > 0 else str(e)  # create_server appends the address
+        print(f"dflash-gateway: cannot listen on {args.host}:{args.port}: {reason}", flush=True)
+        return 1
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(create_app(settings), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=int(args.graceful_seconds) or None)
+                            timeout_graceful_shutdown=int(args.graceful_seconds) or None,
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
     print(f"dflash-gateway: listening on http://{host}:{port} for model {args.model_id!r} "
           f"(tritonserver {args.triton_url}; API key {'required' if args.api_key else 'off'})", flush=True)
     uvicorn.Server(config).run(sockets=[sock])

@@ -6,6 +6,7 @@ import ast
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,11 @@ sys.meta_path.insert(0, NoTorch())
 """
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (lazy imports inside functions count too)."""
+def imported_modules(path: Path, lazy: bool = True) -> set[str]:
+    """Every module a file imports, at any depth (lazy imports inside functions count too, unless not lazy)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if lazy else tree.body:
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -69,6 +71,19 @@ def test_runs_without_torch(code, tmp_path):
     # the check itself works: torch is really refused in that interpreter
     hidden = subprocess.run([sys.executable, "-c", HIDE_TORCH + "import torch"], capture_output=True, text=True)
     assert "hidden by this test" in hidden.stderr
+
+
+@pytest.mark.parametrize("package", ["gateway", "clients"])
+def test_a_package_installed_alone_imports_only_what_it_ships(package):
+    """`pip install ./gateway` (or ./clients) ships the packages its pyproject lists: an import of another of ours
+    would pass here, where the repository is on the path, and fail where the package is installed alone. (A lazy
+    import is a tool's that says it needs the repository's install: dflash-loadbench's prompt sets.)"""
+    shipped = set(tomllib.loads((REPO / package / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    ours = {p.parent.name for p in REPO.glob("*/__init__.py")}
+    for name in shipped:
+        for path in python_files(name):
+            outside = {m for m in imported_modules(path, lazy=False) if m.split(".")[0] in ours - shipped}
+            assert not outside, f"{path.relative_to(REPO)} imports {sorted(outside)}, which {package} does not ship"
 
 
 def test_core_functions_fit_on_a_screen():

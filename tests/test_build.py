@@ -174,7 +174,7 @@ def test_a_dry_run_names_every_missing_checkpoint_and_how_to_fetch_them(tmp_path
     (["--max-queue-size", "-1"], "--max-queue-size must be >= 0, got -1"),
     (["--calib-samples", "0", "--quant", "fp8"], "--calib-samples must be >= 1, got 0"),
     (["--sanity-tokens", "-1"], "--sanity-tokens must be >= 0, got -1"),
-    (["--max-context", "1"], "--max-context must be >= 2, got 1"),
+    (["--max-context", "1"], "--max-context 1 leaves no room for a prompt and a block: use 40 or more"),
     (["--max-context", "1000000", "--dry-run"], "--max-context 1000000 is beyond this target's 8192 positions"),
     # the hint names a flag that exists, and that flag works (test_check_...)
     (["--runtime", "trtllm", "--gpu", "rtx9999"], "for another GPU give its compute capability, major*10+minor: "
@@ -228,7 +228,7 @@ def test_check_passes_flags_a_gpu_cluster_would_run(no_checkpoints_or_devices, t
     assert capsys.readouterr().out == ("check: ok: --target qwen3-coder-30b-a3b --runtime trtllm --gpu h100 "
                                        "--quant fp8 --tensor-parallel-size 2\n")
     assert main(["--device", "cuda", "--check"]) == 0  # the cluster's device, not this machine's
-    assert capsys.readouterr().out == "check: ok: --target smollm2-135m --runtime torch\n"
+    assert capsys.readouterr().out == "check: ok: --target smollm2-135m --runtime torch --device cuda\n"
     assert main(["--runtime", "trtllm", "--gpu", "sm90", "--quant", "fp8", "--check"]) == 0  # a GPU by capability
     assert capsys.readouterr().out == "check: ok: --target smollm2-135m --runtime trtllm --gpu sm90 --quant fp8\n"
     assert not (tmp_path / "out").exists()
@@ -426,3 +426,123 @@ def test_a_build_stopped_by_a_signal_ends_in_one_line_and_leaves_nothing(tmp_pat
     assert build_py.returncode == 130, err
     assert err.strip().splitlines()[-1] == "build.py: interrupted; nothing was published" and "Traceback" not in err
     assert not list(tmp_path.iterdir())  # no partial build, no output
+
+
+# --- what cannot work is refused by --check, --dry-run and a build alike -------------------------------------
+
+CANNOT_WORK = [
+    (["--device", "tpu"], "--device tpu is not a device of the torch runtime: use auto, cpu, cuda or cuda:N"),
+    # SmolLM2's 9 attention heads (3 KV heads) do not split over 2 GPUs
+    (["--runtime", "trtllm", "--gpu", "h100", "--tensor-parallel-size", "2"],
+     "--tensor-parallel-size 2 does not split smollm2-135m's 9 attention heads (3 KV heads) evenly over 2 GPUs, "
+     "which TensorRT-LLM requires: use 1, 3, 9"),
+    (["--runtime", "trtllm", "--gpu", "h100", "--pipeline-parallel-size", "31"],
+     "--pipeline-parallel-size 31 is more stages than smollm2-135m's 30 layers"),
+    (["--max-context", "10"], "--max-context 10 leaves no room for a prompt and a block: use 40 or more (32 tokens "
+                              "for a short chat prompt, the drafter's block of 8 verified in one step)"),
+    (["--max-context", "32", "--drafter", "none"], "use 33 or more (32 tokens for a short chat prompt, a new token)"),
+    (["--runtime", "trtllm", "--gpu", "h100", "--drafter", "none"],
+     "--runtime trtllm serves DFlash (TensorRT-LLM's DFlashDecodingConfig) and needs a drafter (--drafter none)"),
+]
+
+
+@pytest.mark.parametrize("mode", ["--check", "--dry-run", "build"])
+@pytest.mark.parametrize("argv, message", CANNOT_WORK, ids=[" ".join(a) for a, _ in CANNOT_WORK])
+def test_what_cannot_work_is_refused_in_one_line_before_any_work(argv, message, mode, tmp_path, capsys):
+    # Before: --check and --dry-run exited 0 on each of these; a build failed late or served what cannot work
+    out = tmp_path / "out"
+    assert main([*argv, *([mode] if mode != "build" else []), "--output", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "check: ok" not in captured.out and "plan:" not in captured.out and not out.exists()
+
+
+def test_check_splits_a_local_targets_heads_as_tensorrt_llm_does_and_says_what_it_could_not_check(
+        no_checkpoints_or_devices, tmp_path, capsys):
+    """12 attention heads, 3 KV heads (GQA): TensorRT-LLM splits the KV heads (kv % tp == 0) or copies each to
+    tp / kv GPUs (tp % kv == 0); tp 4 is neither, tp 6 copies each KV head to 2 GPUs."""
+    target = tmp_path / "my-llama"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 4,
+        "num_attention_heads": 12, "num_key_value_heads": 3, "vocab_size": 1000, "rope_theta": 5e5}))  # no weights
+    trtllm = ["--target", str(target), "--drafter", "acme/my-llama-dflash", "--runtime", "trtllm", "--gpu", "h100"]
+    assert main([*trtllm, "--tensor-parallel-size", "4", "--check"]) == 2
+    assert "--tensor-parallel-size 4 does not split " in capsys.readouterr().err
+    assert main([*trtllm, "--tensor-parallel-size", "6", "--check"]) == 0
+    assert main([*trtllm, "--pipeline-parallel-size", "5", "--check"]) == 2
+    assert "more stages than" in capsys.readouterr().err
+    # a hub id whose checkpoint is not here: said to be unchecked, not passed as checked
+    assert main(["--target", "acme/my-llama", *trtllm[2:], "--tensor-parallel-size", "2", "--check"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("build.py: note: --tensor-parallel-size 2 not checked against acme/my-llama's attention "
+                            "heads and layers: its config.json is not here (the build checks once the checkpoint "
+                            "is)\n")
+    assert captured.out.startswith("check: ok: --target acme/my-llama --runtime trtllm --drafter acme/my-llama-dflash")
+
+
+def test_the_presets_known_shapes_are_their_checkpoints():
+    """--check judges presets on shapes written in presets.py: for the one whose checkpoint is here, they agree."""
+    from dflash_contract.presets import PRESETS
+    from dflash_runtime.checkpoint import resolve_target
+    from dflash_runtime.config import TargetConfig
+
+    target_dir, preset = resolve_target("smollm2-135m")
+    shape = TargetConfig.from_dir(target_dir).shape
+    assert (preset.layers, preset.heads, preset.kv_heads) == (shape.num_layers, shape.num_heads, shape.num_kv_heads)
+    assert all(p.heads % p.kv_heads == 0 and p.layers > 0 for p in PRESETS.values())
+
+
+def test_without_a_drafter_the_sanity_run_is_plain_decoding(tmp_path, capsys):
+    # Before: --drafter none planned and ran "autoregressive vs DFlash", comparing plain decoding with itself
+    argv = ["--drafter", "none", "--sanity-tokens", "4", "--output", str(tmp_path / "plain")]
+    assert main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "sanity run: 2 prompts x 4 tokens, plain decoding (no drafter to compare)" in out
+    assert "DFlash" not in out and "tau" not in out
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    sanity = json.loads((tmp_path / "plain" / "manifest.json").read_text())["sanity"]
+    assert set(sanity) == {"num_prompts", "tokens_per_second"}
+    assert set(sanity["tokens_per_second"]) == {"autoregressive"}
+    assert re.search(r"sanity +plain decoding \(no drafter\): [\d.]+ tok/s", out), out
+
+
+def test_a_hub_id_target_is_built_from_the_local_checkpoints(tmp_path, monkeypatch):
+    """What the chart's build Job runs for model.target / model.drafter given as hub ids, once downloaded."""
+    from dflash_runtime.checkpoint import resolve_target
+
+    models = tmp_path / "models"  # $DFLASH_MODEL_DIR/<name>, one of the local places a hub id is looked up
+    models.mkdir()
+    (models / "smollm2-support").symlink_to(resolve_target("smollm2-135m")[0])
+    (models / "smollm2-support-dflash").symlink_to(REPO / "models" / "smollm2-135m-dflash")
+    monkeypatch.setenv("DFLASH_MODEL_DIR", str(models))
+    manifest = build(BuildOptions(target="acme/smollm2-support", drafter="acme/smollm2-support-dflash",
+                                  sanity_tokens=0), tmp_path / "support")
+    assert manifest["inputs"]["target"] == "acme/smollm2-support" and manifest["inputs"]["preset"] is None
+    assert manifest["inputs"]["target_dir"] == str(models / "smollm2-support")
+    assert manifest["inputs"]["drafter_dir"] == str(models / "smollm2-support-dflash")
+
+
+def test_a_build_removes_what_killed_builds_left_but_not_what_a_live_build_writes(tmp_path, capsys):
+    from builder.staging import partial_folder
+
+    out = tmp_path / "out"
+    # A build killed hard (SIGKILL: no clean-up runs) leaves its locked partial folder; its lock dies with it
+    killed = subprocess.run([sys.executable, "-c", "import os, signal, sys; from pathlib import Path\n"
+                             "from builder.staging import partial_folder\n"
+                             f"with partial_folder(Path({str(out)!r})) as stage:\n"
+                             "    (stage / 'target').mkdir(); os.kill(os.getpid(), signal.SIGKILL)"], cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL
+    (left,) = tmp_path.glob(".out.*.partial")
+    older = tmp_path / ".out.x1y2z3.partial"  # one from before builds locked their folders
+    older.mkdir()
+    with partial_folder(out) as live:  # another build, writing now
+        (live / "target").mkdir()
+        build(BuildOptions(target="smollm2-135m", drafter="none", sanity_tokens=0), out)
+        assert not left.exists() and not older.exists() and (live / "target").is_dir()
+        err = capsys.readouterr().err
+        assert f"build.py: note: removed {left}, left by a build that was killed" in err
+    assert not live.exists()
+    assert (out / "manifest.json").is_file() and not list(out.glob(".*"))  # published without its lock file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -17,7 +17,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -33,10 +32,11 @@ from kubernetes_validate.utils import latest_version
 
 from builder.trtllm import GPUS
 from deploy.helm import contract
+from deploy.ports import free_ports
 from dflash_contract.layout import MANIFEST_FILE, REPOSITORY_DIR
 from dflash_contract.presets import PRESETS
-from dflash_contract.server import (GATEWAY_HEALTH_PATH, LIVE_PATH, METRICS_PATH, OPENAI_API_KEY_ENV, PORTS, READY_PATH,
-                                    SHUTDOWN_SECONDS)
+from dflash_contract.server import (GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH, LIVE_PATH, METRICS_PATH,
+                                    OPENAI_API_KEY_ENV, PORTS, READY_PATH, SHUTDOWN_SECONDS)
 from dflash_training import drafter_data, train_drafter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -214,7 +214,7 @@ def test_every_level_of_the_schema_refuses_unknown_keys():
 
 def test_the_schema_names_the_presets_and_gpus_python_knows():
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
-    assert schema["model"]["properties"]["preset"]["enum"] == list(PRESETS)
+    assert schema["model"]["properties"]["preset"]["enum"] == ["", *PRESETS]
     assert schema["server"]["properties"]["gpuType"]["enum"] == ["", *GPUS]
 
 
@@ -243,7 +243,7 @@ def test_package_produces_the_chart_archive_that_renders_the_same(tmp_path, rend
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
     for required in ("Chart.yaml", "values.yaml", "values.schema.json", "files/contract.yaml", "templates/NOTES.txt",
-                     "templates/tests/test-generate.yaml", "values/cpu.yaml", "values/tp2.yaml"):
+                     "templates/tests/test-generate.yaml", *(f"values/{p.name}" for p in VALUES_FILES.values())):
         assert f"dflash/{required}" in names, required
     with helm_python.Chart.load_archive(archive.read_bytes()) as packaged:
         out = packaged.render(user_values([], [f"image.digest={DIGEST}"]), name=RELEASE, namespace=NAMESPACE)
@@ -362,9 +362,9 @@ def test_monitoring_objects_fit_the_services_the_hpa_and_the_adapter(rendered):
         monitor = r.one("ServiceMonitor")
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
         assert monitor["spec"]["selector"]["matchLabels"].items() <= metrics_service["metadata"]["labels"].items()
-        (endpoint,) = monitor["spec"]["endpoints"]
-        assert endpoint["port"] in {p["name"] for p in metrics_service["spec"]["ports"]}
-        assert endpoint["path"] == METRICS_PATH
+        assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
+            ("metrics", METRICS_PATH), ("openai", GATEWAY_METRICS_PATH)]  # tritonserver's, the gateway's
+        assert [p["name"] for p in metrics_service["spec"]["ports"]] == ["metrics", "openai"]
         for obj in (monitor, r.one("PrometheusRule")):  # what Prometheus selects them by
             assert r.values["monitoring"]["prometheusLabels"].items() <= obj["metadata"]["labels"].items()
 
@@ -456,7 +456,7 @@ def test_the_openai_gateway_is_exposed_to_the_clients_only(rendered):
         assert openai in client["spec"]["ports"], name
         assert [p["name"] for p in client["spec"]["ports"]] == ["http", "grpc", "openai"]
         # the headless Service is for gRPC client-side balancing, the metrics Service for Prometheus only
-        for suffix, ports in (("-headless", ["grpc", "http"]), ("-metrics", ["metrics"])):
+        for suffix, ports in (("-headless", ["grpc", "http"]), ("-metrics", ["metrics", "openai"])):
             assert [p["name"] for p in r.one("Service", RELEASE + suffix)["spec"]["ports"]] == ports, name
         assert r.one("Service", RELEASE + "-headless")["spec"]["clusterIP"] == "None"
 
@@ -467,7 +467,8 @@ def test_the_openai_gateway_is_exposed_to_the_clients_only(rendered):
         namespaces = [peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
                       for peer in clients["from"] if "namespaceSelector" in peer]
         assert {"podSelector": {}} in clients["from"] and namespaces == r.values["network"]["clientNamespaces"]
-        assert [p["port"] for p in monitoring["ports"]] == [PORTS["metrics"]]  # not the gateway
+        # tritonserver's metrics port, and the gateway's own /metrics on its port
+        assert [p["port"] for p in monitoring["ports"]] == [PORTS["metrics"], PORTS["openai"]]
         assert monitoring["from"] == [{"namespaceSelector": {"matchLabels": {
             "kubernetes.io/metadata.name": r.values["monitoring"]["namespace"]}}}]
         assert policy["spec"]["egress"] == []  # the gateway calls tritonserver over the pod's loopback
@@ -546,14 +547,18 @@ def test_the_server_reads_the_repository_the_build_job_writes(rendered):
                 assert output.startswith(mount["mountPath"] + "/") and mount["readOnly"] == read_only
 
 
-def test_the_build_job_downloads_what_the_preset_needs(rendered):
+def test_the_build_job_downloads_what_the_model_needs(rendered):
     for name, r in rendered.items():
-        preset = PRESETS[r.values["model"]["preset"]]
+        model = r.values["model"]
         job_pod = job(r)["spec"]["template"]["spec"]
         downloaded = [c["command"][-1] for c in job_pod.get("initContainers", [])]
-        expected = [] if preset.gguf else [preset.target]
-        if not (REPO / preset.drafter).is_dir():
-            expected.append(preset.drafter)
+        expected = []
+        if model["preset"]:  # a GGUF target ships in a package, a drafter of this repository in the image
+            preset = PRESETS[model["preset"]]
+            expected += [] if preset.gguf else [preset.target]
+            expected += [] if model["drafter"] or (REPO / preset.drafter).is_dir() else [preset.drafter]
+        # model.target and model.drafter as hub ids (a path on the model store starts with /)
+        expected += [ref for ref in (model["target"], model["drafter"]) if ref not in ("", "none") and ref[0] != "/"]
         assert downloaded == expected, name
         assert all(c["command"][:2] == ["hf", "download"] for c in job_pod.get("initContainers", []))
         # the GPU is requested by the build container only, never while checkpoints download
@@ -803,9 +808,7 @@ def test_the_training_jobs_commands_answer_and_train_here(rendered, default_serv
     train = job(r, "train")["spec"]["template"]["spec"]
     run(train["initContainers"][0], BUILD=str(default_build))  # returns at once: the build and the answers are there
     (container,) = train["containers"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     endpoint = flag_value(container["command"], "--rdzv-endpoint")
     command = [here(a).replace(endpoint, f"127.0.0.1:{port}") for a in container["command"]]
     pods = [subprocess.Popen(command, env={**env, "JOB_COMPLETION_INDEX": str(i)}, stdout=subprocess.PIPE,
@@ -863,6 +866,18 @@ BAD_VALUES = [
     (["autoscaling.enabled=no way"], "/autoscaling/enabled"),
     (["model.preset=gpt-5"], "/model/preset"),
     (["model.build=Qwen3_8B"], "/model/build"),
+    (["model.target=acme/llama"], r"model.target \(acme/llama\) and model.preset \(qwen3-8b\) both name the target"),
+    (["model.preset="], "model.preset or model.target must name the target"),
+    (["model.preset=", "model.target=acme/llama"], "model.target acme/llama needs model.drafter"),
+    (["model.preset=", "model.target=/etc/llama", "model.drafter=none"], "/model/target"),  # outside the store
+    (["model.preset=", "model.target=/models/../etc/llama", "model.drafter=none"], "/model/target"),
+    (["model.preset=", "model.target=/models/.hf-cache/llama", "model.drafter=none"], "/model/target"),
+    (["model.preset=", "model.target=llama", "model.drafter=none"], "/model/target"),  # not a path, not org/name
+    (["model.drafter=./drafter"], "/model/drafter"),
+    (["model.drafter=/models/qwen3-8b-v1/drafter"],
+     "model.drafter /models/qwen3-8b-v1/drafter is inside the build's own folder /models/qwen3-8b-v1"),
+    (["build.args={--drafter,none}"], "must not set --drafter: it comes from model.drafter"),
+    (["build.args={--target,qwen3-4b}"], "must not set --target: it comes from model.preset or model.target"),
     ([f"model.build={'v' * 45}"], "would exceed 63 characters"),
     (["image.digest=latest"], "/image/digest"),
     (["image.kind=tpu"], "/image/kind"),
@@ -935,3 +950,57 @@ def test_the_schema_alone_refuses_an_unknown_key():
         chart.validate_schema(chart.merge_values({}))
         with pytest.raises(helm_python.HelmValuesError, match="'replica' not allowed"):
             chart.validate_schema(chart.merge_values({"server": {"replica": 3}}))
+
+
+# --- your own model -------------------------------------------------------------------------------------------
+
+def test_a_custom_model_is_built_and_trained_for_from_its_own_target_and_drafter(rendered):
+    r = rendered["custom-model"]
+    model = r.values["model"]
+    command = build_command(r)
+    assert flag(command, "--target") == model["target"] == "acme/llama-3.1-8b-support" and not model["preset"]
+    assert flag(command, "--drafter") == model["drafter"] and model["drafter"].startswith("/models/")
+    # the hub id is downloaded, into the model store's Hugging Face cache as a preset's are; the path is there
+    (download,) = job(r)["spec"]["template"]["spec"]["initContainers"]
+    assert download["command"] == ["hf", "download", model["target"]]
+    assert {"name": "HF_HOME", "value": "/models/.hf-cache"} in download["env"]
+    assert f"DFlash {model['target']} with drafter {model['drafter']} (build {model['build']})" in r.notes
+    # the training Jobs answer with and train for the same target
+    objects = manifests(render(user_values([VALUES_FILES["custom-model"]], [
+        f"image.digest={DIGEST}", "training.data.enabled=true", "training.train.enabled=true"])))
+    for component in ("answers", "train"):
+        (trained,) = [o for o in objects if o["kind"] == "Job"
+                      and o["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+        assert f"--target={model['target']}" in trained["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+def test_a_presets_target_takes_a_drafter_of_ones_own():
+    """E.g. the drafter the chart's training exported: the preset's target is downloaded, its drafter is not."""
+    pod = build_job([f"image.digest={DIGEST}", "model.drafter=/models/training/drafter-v1/drafter"])
+    command = pod["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert flag(command, "--target") == "qwen3-8b"
+    assert flag(command, "--drafter") == "/models/training/drafter-v1/drafter"
+    assert [c["command"][-1] for c in pod["spec"]["template"]["spec"]["initContainers"]] == ["Qwen/Qwen3-8B"]
+
+
+def test_the_builder_checks_a_custom_targets_heads_against_the_charts_tensor_parallelism(tmp_path):
+    """The chart cannot read a checkpoint; the Job's own command under `build.py --check` reads the target's
+    config.json on the model store (here tmp_path) and refuses a tensor-parallel size its heads do not split by."""
+    from dflash_runtime.checkpoint import resolve_target
+
+    target = tmp_path / "checkpoints" / "my-smollm2"  # SmolLM2's 9 attention heads, 3 KV heads
+    target.mkdir(parents=True)
+    shutil.copy(resolve_target("smollm2-135m")[0] / "config.json", target)
+    sets = ["model.preset=", "model.target=/models/checkpoints/my-smollm2",
+            "model.drafter=/models/checkpoints/my-smollm2-dflash", "build.args={--runtime,trtllm}",
+            "server.gpuType=h100"]
+
+    def check(gpus: int) -> subprocess.CompletedProcess:
+        job_ = build_job([*sets, f"server.gpus={gpus}", f"server.tensorParallel={gpus}"])
+        return _check_build(job_["spec"]["template"]["spec"]["containers"][0]["command"], tmp_path)
+
+    refused = check(2)
+    assert refused.returncode == 2, refused.stdout
+    assert f"--tensor-parallel-size 2 does not split {target}'s 9 attention heads (3 KV heads)" in refused.stderr
+    accepted = check(3)
+    assert accepted.returncode == 0 and "--tensor-parallel-size 3" in accepted.stdout, accepted.stderr

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from clients import AsyncDFlashClient, GenerationParams, RetryPolicy, ServerUnavailable
-from deploy.serve import TritonServer, _proc_stat, backend_processes, free_port, supervise
+from deploy.ports import pick_ports
+from deploy.serve import TritonServer, _proc_stat, backend_processes, ready_ports, supervise
 from dflash_contract.protocol import CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE, error_class
 from dflash_contract.server import (EXIT_TIMEOUT_S, FAILED_STEPS_LIMIT, FAILURE_FILE_ENV, METRICS_PATH, PORTS,
                                     READY_PATH, TEST_FAULT_ENV, UNHEALTHY_EXIT_CODE, report_engine_failure)
@@ -36,19 +37,20 @@ HEALTH_BOUND_S = 10  # the issue's bound: unhealthy, and dflash-serve gone, with
 
 
 class Launched:
-    """dflash-serve in a process of its own, on free ports, as a container entrypoint runs it."""
+    """dflash-serve in a process of its own, on free ports (it picks them: its ready line names them), as a container
+    entrypoint runs it."""
 
     def __init__(self, repository: Path, log: Path, *args: str, env: dict | None = None):
         self.repository, self.log = repository, log
-        self.ports = {name: free_port() for name in PORTS}
         started = time.monotonic()
         with open(log, "a") as err:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "deploy.serve", str(repository), "--ready-timeout", "300",
-                 *(f"--{name}-port={port}" for name, port in self.ports.items()), *args],
+                 *(f"--{name}-port=0" for name in PORTS), *args],
                 cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})})
         ready = self.process.stdout.readline()  # "ready: ..." once serving; "" if it exited
         assert ready.startswith("ready:"), log.read_text()[-3000:]
+        self.ports = ready_ports(ready)
         self.ready_seconds = time.monotonic() - started
         # dflash-serve's children are tritonserver and the gateway; after the pids wrap the gateway may come first
         self.tritonserver = next(pid for pid in _all_pids() if _parent(pid) == self.process.pid
@@ -392,7 +394,7 @@ def test_dflash_serve_stops_a_server_whose_engine_reported_its_death(tmp_path, m
     # the report travels by file from the dflash model to dflash-serve; here a plain process stands for
     # tritonserver, since only whether and how it is stopped matters
     process = subprocess.Popen(["sleep", "120"], start_new_session=True)
-    server = TritonServer(process, {name: free_port() for name in PORTS}, None, tmp_path / "runtime")
+    server = TritonServer(process, pick_ports(dict.fromkeys(PORTS, 0)), None, tmp_path / "runtime")
     server.runtime_dir.mkdir()
     monkeypatch.setenv(FAILURE_FILE_ENV, str(server.failure_file))
     assert server.health_problem() is None

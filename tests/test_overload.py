@@ -156,9 +156,9 @@ def _p99(values: list[float]) -> float:
 
 def test_drafter_data_retries_an_overloaded_gateway_until_every_answer_is_in(overload_server, tmp_path, capsys):
     """dflash-drafter-data --server with 48 requests in flight against 8 slots and a queue of 16: without retries
-    the run ends on the first refusal (a 503 naming the capacity) and keeps what was answered; a rerun with its
-    default retries (backoff, never sooner than Retry-After) answers the rest, and every answer is the one given
-    at 4 in flight, where none is refused."""
+    the run ends on the first refusal (a 503 naming the capacity) and keeps what was answered; a rerun with
+    retries (backoff, never sooner than Retry-After) answers the rest, and every answer is the one given at 4 in
+    flight, where none is refused."""
     burst = 2 * (SLOTS + QUEUE)
     common = ["--target", "smollm2-135m", "--server", f"{overload_server.gateway.url}/v1", "--max-tokens", "8"]
     stormy, calm = tmp_path / "stormy", tmp_path / "calm"
@@ -171,7 +171,9 @@ def test_drafter_data_retries_an_overloaded_gateway_until_every_answer_is_in(ove
     assert "answered HTTP 503" in refusal and CAPACITY_MESSAGE in refusal, refusal[-2000:]
     kept = len(ids(stormy))
     assert kept < SLOTS + QUEUE  # so that the rerun, too, asks for more than the server holds (here: 0 kept)
+    # 20 retries wait up to about 10 minutes: the default's 8 (about 2) are too few where a loaded 2-core machine
+    # answers this burst at a prompt a minute
     assert drafter_data.main(common + ["--output", str(stormy), "--num-prompts", str(burst - kept),
-                                       "--concurrency", str(burst)]) == 0
+                                       "--concurrency", str(burst), "--retries", "20"]) == 0
     assert drafter_data.main(common + ["--output", str(calm), "--num-prompts", str(burst), "--concurrency", "4"]) == 0
     assert len(ids(stormy)) == burst and ids(stormy) == ids(calm)

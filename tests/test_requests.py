@@ -10,6 +10,8 @@ from dflash_contract import DFlashError
 from dflash_contract.protocol import LIMITS
 from dflash_serving.requests import is_stop_request, parse_engine_request, parse_front_request
 
+CONTEXT = 2048  # the engine's context limit, for parse_engine_request
+
 
 def tensors(**inputs):
     arrays = {name: np.asarray(value) for name, value in inputs.items()}
@@ -19,15 +21,27 @@ def tensors(**inputs):
 def test_a_full_request_becomes_sampling_params():
     ids, params, streaming = parse_engine_request(tensors(
         input_ids=[[1, 2, 3]], max_tokens=[[16]], temperature=[[0.5]], top_k=[[4]], top_p=[[0.9]],
-        random_seed=[[7]], end_id=[[2]], stop_words=[[b"END", b"", "STOP".encode()]], stream=[[True]]))
+        random_seed=[[7]], end_id=[[2]], stop_words=[[b"END", b"", "STOP".encode()]], stream=[[True]]), CONTEXT)
     assert ids == [1, 2, 3] and streaming
     assert (params.max_new_tokens, params.temperature, params.top_k, params.seed) == (16, 0.5, 4, 7)
     assert params.top_p == pytest.approx(0.9) and params.stop_strings == ("END", "STOP")
     assert params.stop_token_ids == (2,) and params.ignore_eos  # end_id replaces the model's EOS ids
 
 
+def test_clip_max_tokens_lowers_max_tokens_to_what_the_context_leaves_and_only_then():
+    prompt = [[7] * 2000]
+    for clip, max_tokens, expected in ((True, 512, 48), (True, 16, 16), (False, 512, 512), (None, 512, 512)):
+        clipped = {} if clip is None else {"clip_max_tokens": [[clip]]}
+        _, params, _ = parse_engine_request(tensors(input_ids=prompt, max_tokens=[[max_tokens]], **clipped), CONTEXT)
+        assert params.max_new_tokens == expected, (clip, max_tokens)
+    # a prompt that fills the context keeps a request the engine refuses by its prompt, not by max_tokens
+    _, params, _ = parse_engine_request(tensors(input_ids=[[7] * CONTEXT], max_tokens=[[512]],
+                                                clip_max_tokens=[[True]]), CONTEXT)
+    assert params.max_new_tokens == 1
+
+
 def test_defaults_are_greedy_and_not_streamed():
-    ids, params, streaming = parse_engine_request(tensors(input_ids=[[5]], max_tokens=[[1]]))
+    ids, params, streaming = parse_engine_request(tensors(input_ids=[[5]], max_tokens=[[1]]), CONTEXT)
     assert params.greedy and params.top_k == 0 and params.top_p == 1 and not params.stop_strings
     assert not streaming and not params.ignore_eos
 
@@ -46,7 +60,7 @@ def test_defaults_are_greedy_and_not_streamed():
 ])
 def test_bad_requests_are_refused_with_the_field_named(inputs, message):
     with pytest.raises(DFlashError, match=message):
-        parse_engine_request(tensors(**inputs))
+        parse_engine_request(tensors(**inputs), CONTEXT)
 
 
 def test_stop_requests():
@@ -171,9 +185,9 @@ def test_requests_at_the_size_limits_are_accepted():
     conversation = [{"role": "user", "content": "x"}] * LIMITS.messages
     assert parse_front_request(tensors(messages=[[json.dumps(conversation).encode()]], **at_limit))[0] == conversation
     # the engine model's own parser keeps the same limits
-    ids, params, _ = parse_engine_request(tensors(input_ids=[[1]], **at_limit))
+    ids, params, _ = parse_engine_request(tensors(input_ids=[[1]], **at_limit), CONTEXT)
     assert params.max_new_tokens == LIMITS.max_tokens and len(params.stop_strings) == LIMITS.stop_words
     for inputs in (dict(max_tokens=[[LIMITS.max_tokens + 1]]),
                    dict(max_tokens=[[4]], stop_words=[[b"w%d" % i for i in range(LIMITS.stop_words + 1)]])):
         with pytest.raises(DFlashError, match="over the limit of"):
-            parse_engine_request(tensors(input_ids=[[1]], **inputs))
+            parse_engine_request(tensors(input_ids=[[1]], **inputs), CONTEXT)

@@ -104,6 +104,25 @@ def wait_for_metric(server, name: str, value: float, timeout: float = 30) -> boo
     return metric(server, name) == value
 
 
+# How soon the engine drops a request its client gave up on: within a second on an idle machine. The mechanism is a
+# cancellation check between steps (at least every 0.25 s), so it takes the step in progress and the next one; on a
+# loaded machine steps take longer, and the bound holds in steps instead (a third for the metrics' own lag).
+FREED_WITHIN_S, FREED_WITHIN_STEPS = 1.0, 3
+
+
+def until_no_active_sequence(server, timeout: float = 60) -> tuple[float, float]:
+    """(seconds, engine steps) from now until no sequence is active. The steps are the verify steps the metrics
+    counted, recorded with the active count in one report: both are as of the same step."""
+    started, steps = time.monotonic(), metric(server, "dflash_verify_length_count")
+    while metric(server, "dflash_active_sequences") and time.monotonic() - started < timeout:
+        time.sleep(0.05)
+    return time.monotonic() - started, metric(server, "dflash_verify_length_count") - steps
+
+
+def freed_promptly(seconds: float, steps: float) -> bool:
+    return seconds < FREED_WITHIN_S or steps <= FREED_WITHIN_STEPS
+
+
 @pytest.fixture(scope="module")
 def in_process(default_build):
     """Greedy text per question from the runtime in this process, each question decoded alone."""
@@ -140,6 +159,59 @@ def test_grpc_stream_and_http_generate_equal_in_process_greedy(default_server, d
     events = requests.post(f"{url}/generate_stream", json={**body, "stream": True}, timeout=120).text
     pieces = [json.loads(line[len("data: "):]) for line in events.splitlines() if line.startswith("data: ")]
     assert len(pieces) > 2 and "".join(p["text_output"] for p in pieces) == in_process[question]
+
+
+@pytest.mark.parametrize("model", FRONT_MODELS)
+def test_a_one_token_answer_reports_no_acceptance_on_every_door(default_server, model):
+    """One token comes from the prefill: no verify step, so the two ratios have nothing to report. They are left
+    out of the tensors (gRPC, HTTP generate), and null in the clients' statistics and the OpenAI extension."""
+    from clients import DFlashClient, GenerationParams
+    from openai import OpenAI
+
+    ratios, counts = {"acceptance_rate", "mean_acceptance_length"}, {"draft_steps", "total_draft_tokens"}
+    _, results = streamed_text(default_server.grpc_url, QUESTIONS[0], 1, model)
+    last = results[-1]
+    assert {name for name in ratios if last.as_numpy(name) is not None} == set()
+    assert [int(last.as_numpy(name).item()) for name in sorted(counts)] == [0, 0]
+    body = {"text_input": QUESTIONS[0], "max_tokens": 1, "apply_chat_template": True}
+    generated = requests.post(f"http://{default_server.http_url}/v2/models/{model}/generate", json=body,
+                              timeout=120).json()
+    assert not ratios & set(generated) and generated["draft_steps"] == 0
+    if model == "dflash_bls":  # the clients' and the gateway's model
+        with DFlashClient(default_server.grpc_url) as client:
+            stats = client.generate(QUESTIONS[0], GenerationParams(max_tokens=1)).stats
+        assert (stats.mean_acceptance_length, stats.acceptance_rate, stats.draft_steps) == (None, None, 0)
+        with OpenAI(base_url=f"{default_server.gateway.url}/v1", api_key="-", max_retries=0) as openai:
+            reply = openai.chat.completions.create(model="smollm2-135m", max_tokens=1, temperature=0,
+                                                   messages=[{"role": "user", "content": QUESTIONS[0]}])
+        extension = reply.model_extra["dflash"]
+        assert extension["mean_acceptance_length"] is None and extension["acceptance_rate"] is None
+
+
+HTTP_GENERATE_ANSWERS = [  # body -> (status, the error's words, its class): clients/README.md's table
+    ('{"text_input": "Hi", "max_tokens": 4, "top_p": 2.0}', 400, "invalid request: top_p must be in (0, 1]"),
+    ('{"text_input": "Hi", "max_tokens": 100000}', 400, "exceeds the context limit of 2048 tokens"),
+    ('{"text_input": "Hi", "max_tokens": 4', 500, "failed to parse the request JSON buffer"),
+    ('[1, 2]', 500, "attempt to get members for non-object"),
+    ('{"text_input": "Hi", "max_tokens": "4"}', 500, "Unable to parse 'data'"),
+    ('{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}', 500, "Unable to parse JSON bytes array"),
+    ('{"text_input": "Hi", "max_tokens": 4, "stream": true}', 200,
+     "generate expects model to produce exactly 1 response"),
+]
+
+
+@pytest.mark.parametrize("model", FRONT_MODELS)
+def test_http_generate_answers_what_the_clients_readme_says(default_server, model):
+    """Triton's HTTP statuses are not the error's class (a model's error is 400 whatever it is; Triton's own JSON
+    refusals 500; stream true on generate 200): the clients read the words, and these words are INVALID_ARG."""
+    url = f"http://{default_server.http_url}/v2/models/{model}/generate"
+    for body, status, words in HTTP_GENERATE_ANSWERS:
+        reply = requests.post(url, data=body, timeout=120)
+        assert (reply.status_code, words in reply.json()["error"]) == (status, True), (body, reply.text)
+        assert error_class(reply.json()["error"]) == "INVALID_ARG", body
+    messages = json.dumps([{"role": "user", "content": "Hi"}])  # a conversation is a JSON string
+    reply = requests.post(url, json={"messages": messages, "max_tokens": 4}, timeout=120)
+    assert reply.status_code == 200 and reply.json()["num_output_tokens"] == 4
 
 
 @pytest.mark.parametrize("model", FRONT_MODELS)

@@ -15,13 +15,14 @@ import triton_python_backend_utils as pb_utils
 
 from dflash_contract import DFlashError
 from dflash_contract.presets import parse_block_size
-from dflash_contract.protocol import (FINISH_REASON, STATISTICS, config_type, error_class, invalid_request,
-                                      response_statistics)
+from dflash_contract.protocol import (CANCELLED_MESSAGE, FINISH_REASON, STATISTICS, config_type, error_class,
+                                      invalid_request, response_statistics)
 from dflash_contract.server import drain_signal, drained_path, progress_signal, queue_timeout, report_engine_failure
 from dflash_contract.versions import version_warning
 from dflash_runtime.pipeline import load_pipeline
 from dflash_runtime.verify_length import StepCosts
 from dflash_serving.engine_loop import EngineLoop, EngineStopped, QueueFull
+from dflash_serving.metrics import ARRIVAL_INPUT, RequestMetrics, TritonRegistry, front_model
 from dflash_serving.model_args import artifact_path, model_parameters
 from dflash_serving.requests import is_stop_request, parse_engine_request
 
@@ -59,6 +60,8 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"dflash: engine ready on {engine.device}, max batch {engine.scheduler.num_slots}, "
                                  f"context {engine.max_context}: {graphs}")
         self.metrics = EngineMetrics(args["model_name"], args["model_version"], engine.block_size, reports)
+        # the requests that come through the ensemble or straight here (dflash_bls counts its own)
+        self.requests = RequestMetrics(TritonRegistry(pb_utils.MetricFamily), ("ensemble", "dflash"))
         self.in_flight = {}  # request id -> TritonStream, for `stop` requests
         drain = drain_signal()
         if drain is not None:
@@ -86,15 +89,26 @@ class TritonPythonModel:
             if is_stop_request(tensor):
                 self._stop(request)
                 continue
-            stream = TritonStream(request, self.in_flight)
+            stream = TritonStream(request, self.in_flight, self._timeline(request, tensor))
             try:
-                prompt_ids, params, streaming = parse_engine_request(tensor)
+                prompt_ids, params, streaming = parse_engine_request(tensor, self.loop.engine.max_context)
+                if stream.timeline is not None:
+                    stream.timeline.streamed = streaming
                 self.loop.submit(prompt_ids, params, stream, streaming)
             except (QueueFull, EngineStopped) as e:
-                stream.fail(str(e), pb_utils.TritonError.UNAVAILABLE)
+                stream.refuse(str(e), pb_utils.TritonError.UNAVAILABLE)
             except DFlashError as e:
-                stream.fail(invalid_request(str(e)), pb_utils.TritonError.INVALID_ARG)
+                stream.refuse(invalid_request(str(e)), pb_utils.TritonError.INVALID_ARG)
         return None
+
+    def _timeline(self, request, tensor):
+        """The request's timeline for the request metrics, from its arrival at the front model (the ensemble's:
+        preprocessing's, which it passes on); None for dflash_bls's calls, which it counts itself."""
+        arrival = tensor(ARRIVAL_INPUT)
+        model = front_model(request.request_id(), arrival)
+        if model is None:
+            return None
+        return self.requests.timeline(model, None if arrival is None else int(arrival.item()) / 1e9)
 
     def _stop(self, request):
         """Cancel the in-flight request with this request's id (if any): the loop drops it soon after."""
@@ -110,9 +124,10 @@ class TritonPythonModel:
 class TritonStream:
     """The engine loop's view of one request: send chunks, fail, ask whether it was cancelled."""
 
-    def __init__(self, request, in_flight):
+    def __init__(self, request, in_flight, timeline=None):
         self.sender = request.get_response_sender()
         self.stopped = False
+        self.timeline = timeline  # dflash_serving.metrics.RequestTimeline, or None: not counted here
         self.request_id, self.in_flight = request.request_id(), in_flight
         if self.request_id:
             in_flight[self.request_id] = self
@@ -125,7 +140,7 @@ class TritonStream:
                    pb_utils.Tensor("read_offset", np.array([[chunk.read_offset]], dtype=np.int32)),
                    pb_utils.Tensor(FINISH_REASON, np.array([[chunk.finish_reason or ""]], dtype=object))]
         tensors += [pb_utils.Tensor(s.tensor, np.array([[values[s.field]]], dtype=_numpy_type(s.data_type)))
-                    for s in STATISTICS]
+                    for s in STATISTICS if values[s.field] is not None]
         response = pb_utils.InferenceResponse(tensors)
         if chunk.finished:
             self._forget()
@@ -133,10 +148,22 @@ class TritonStream:
             self.sender.send(response, flags=FINAL if chunk.finished else 0)
         except Exception:  # the loop drops a request it cannot send to, without fail(): forget it here
             self._forget()
+            self._ended_by(CANCELLED_MESSAGE)  # its client is gone
             raise
+        if self.timeline is not None:
+            self.timeline.responded(chunk.output_tokens)
+            if chunk.finished:
+                self.timeline.finished(chunk.finish_reason)
+
+    def refuse(self, message, code):
+        """Refuse the request at the door: counted before the client hears of it."""
+        if self.timeline is not None:
+            self.timeline.refused_now(error_class(message))
+        self.fail(message, code)
 
     def fail(self, message, code=None):
         self._forget()
+        self._ended_by(CANCELLED_MESSAGE if self.stopped else message)
         if self.stopped:
             # a `stop` request ended it (tensorrtllm_backend's protocol): close the stream with a bare final flag.
             # An error response here never reached dflash_bls's BLS iterator once its own client had dropped an
@@ -151,6 +178,10 @@ class TritonStream:
 
     def is_cancelled(self):
         return self.stopped or self.sender.is_cancelled()
+
+    def _ended_by(self, message):
+        if self.timeline is not None:
+            self.timeline.ended_by_error(message)
 
     def _forget(self):
         if self.request_id and self.in_flight.get(self.request_id) is self:

@@ -16,8 +16,10 @@ from dflash_contract.protocol import (CANCELLED_MESSAGE, ENGINE_INPUTS, ENGINE_S
                                       FRONT_INPUTS, INTERNAL_ERROR_PREFIX, STATISTICS, TOKEN_OUTPUTS, error_class,
                                       invalid_request, parameters_error)
 from dflash_contract.server import failure_signal
+from dflash_serving.metrics import BLS_CALL_PREFIX, RequestMetrics, TritonRegistry
 
 RESPONSE_OUTPUTS = (FINISH_REASON, *(s.tensor for s in STATISTICS))  # passed on to the client as they are
+TOKENS_SO_FAR = next(s.tensor for s in STATISTICS if s.field == "completion_tokens")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 FAILURE_CHECK_SECONDS = 0.25
@@ -26,6 +28,7 @@ FAILURE_CHECK_SECONDS = 0.25
 class TritonPythonModel:
     def initialize(self, args):
         self.in_flight = InFlight()
+        self.requests = RequestMetrics(TritonRegistry(pb_utils.MetricFamily), ("dflash_bls",))
         failure = failure_signal()
         if failure is not None:
             threading.Thread(target=self._end_streams_on_failure, args=(failure,), daemon=True).start()
@@ -33,7 +36,8 @@ class TritonPythonModel:
     def execute(self, requests):
         # a thread per request: a stream lasts many engine steps, and execute must return
         for request in requests:
-            threading.Thread(target=_serve, args=(request, self.in_flight), daemon=True).start()
+            timeline = self.requests.timeline("dflash_bls")  # it arrived now
+            threading.Thread(target=_serve, args=(request, self.in_flight, timeline), daemon=True).start()
         return None
 
     def _end_streams_on_failure(self, path):
@@ -51,8 +55,9 @@ class ClientStream:
     response is sent, the sender must not be touched: Triton 2.51 frees it (is_cancelled() on it then
     crashed the server)."""
 
-    def __init__(self, sender):
+    def __init__(self, sender, timeline):
         self._sender, self._lock, self.ended = sender, threading.Lock(), False
+        self.timeline = timeline  # dflash_serving.metrics.RequestTimeline: counted once it ends
 
     def send(self, response, final):
         with self._lock:
@@ -72,8 +77,10 @@ class ClientStream:
             self.ended = True
             try:
                 if self._sender.is_cancelled():  # nobody reads an error: only close the stream
+                    self.timeline.ended_by_error(CANCELLED_MESSAGE)
                     self._sender.send(flags=FINAL)
                     return
+                self.timeline.ended_by_error(error.message())
                 self._sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
             except Exception as e:  # the client is gone: nobody left to tell
                 pb_utils.Logger.log_warn(f"dflash_bls: could not send the final error ({e})")
@@ -99,8 +106,8 @@ class InFlight:
         return streams
 
 
-def _serve(request, in_flight):
-    stream = ClientStream(request.get_response_sender())
+def _serve(request, in_flight, timeline):
+    stream = ClientStream(request.get_response_sender(), timeline)
     in_flight.add(stream)
     try:
         error = _generate(request, stream)
@@ -119,17 +126,18 @@ def _generate(request, client):
     if unread:
         return pb_utils.TritonError(invalid_request(unread), pb_utils.TritonError.INVALID_ARG)
     # all inputs: preprocessing checks every one before the engine sees the request
-    prompt = _call("preprocessing", _inputs(request, FRONT_INPUTS), ["input_ids"])
+    request_id = BLS_CALL_PREFIX + uuid.uuid4().hex  # this request's calls: counted here only
+    prompt = _call("preprocessing", _inputs(request, FRONT_INPUTS), ["input_ids"], request_id)
     if prompt.has_error():
         return prompt.error()
     stream = pb_utils.get_input_tensor_by_name(request, "stream")
     streaming = stream is not None and bool(stream.as_numpy().item())
-    request_id = uuid.uuid4().hex
+    client.timeline.streamed = streaming
     inputs = [pb_utils.get_output_tensor_by_name(prompt, "input_ids"), pb_utils.Tensor("stream", np.array([[True]]))]
     engine = pb_utils.InferenceRequest(
         model_name="dflash", inputs=inputs + _inputs(request, ENGINE_INPUTS), request_id=request_id,
         requested_output_names=[*TOKEN_OUTPUTS, *RESPONSE_OUTPUTS])
-    texts, last, stopped = [], None, False
+    texts, last, finish_reason, stopped = [], None, "", False
     # streamed even when the client asked for one response: a response per step is where
     # cancellation is seen
     try:
@@ -145,19 +153,19 @@ def _generate(request, client):
                 return response.error()
             if not response.output_tensors():  # an empty final flag
                 continue
-            ids = [pb_utils.get_output_tensor_by_name(response, name)
-                   for name in (*TOKEN_OUTPUTS, FINISH_REASON)]
+            ids = [pb_utils.get_output_tensor_by_name(response, name) for name in TOKEN_OUTPUTS]
             text = _call("postprocessing", ids, ["text_output"])
             if text.has_error():
                 _stop(request_id)
                 return text.error()
             delta = pb_utils.get_output_tensor_by_name(text, "text_output").as_numpy().item()
-            finished = bool(pb_utils.get_output_tensor_by_name(response, FINISH_REASON).as_numpy().item())
+            reason = pb_utils.get_output_tensor_by_name(response, FINISH_REASON).as_numpy().item().decode()
             if streaming:
-                client.send(_answer(delta, response), final=finished)
+                client.send(_answer(delta, response), final=bool(reason))
             else:
                 texts.append(delta)
-            last = response
+            client.timeline.responded(pb_utils.get_output_tensor_by_name(response, TOKENS_SO_FAR).as_numpy().item())
+            last, finish_reason = response, reason
     except Exception:  # e.g. the client is gone and sending fails: do not leave the engine decoding
         if not stopped:
             _stop(request_id)
@@ -168,6 +176,7 @@ def _generate(request, client):
         return pb_utils.TritonError("dflash ended the stream without an answer")
     if not streaming:
         client.send(_answer(b"".join(texts), last), final=True)
+    client.timeline.finished(finish_reason)
     return None
 
 
@@ -185,8 +194,9 @@ def _inputs(request, names):
     return [t for t in tensors if t is not None]
 
 
-def _call(model, inputs, outputs):
-    return pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs).exec()
+def _call(model, inputs, outputs, request_id=""):
+    return pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs,
+                                     request_id=request_id).exec()
 
 
 def _stop(request_id):
@@ -198,5 +208,5 @@ def _stop(request_id):
 
 def _answer(text, engine_response):
     tensors = [pb_utils.Tensor("text_output", np.array([[text]], dtype=object))]
-    tensors += [pb_utils.get_output_tensor_by_name(engine_response, name) for name in RESPONSE_OUTPUTS]
-    return pb_utils.InferenceResponse(tensors)
+    passed = [pb_utils.get_output_tensor_by_name(engine_response, name) for name in RESPONSE_OUTPUTS]
+    return pb_utils.InferenceResponse(tensors + [t for t in passed if t is not None])  # a statistic may be absent

@@ -16,9 +16,7 @@ class TritonPythonModel:
         for request in requests:
             ids = pb_utils.get_input_tensor_by_name(request, "output_ids").as_numpy()
             offsets = pb_utils.get_input_tensor_by_name(request, "read_offset").as_numpy().reshape(-1)
-            finished = pb_utils.get_input_tensor_by_name(request, "finish_reason").as_numpy().reshape(-1)
-            texts = [text_delta(self.tokenizer, row.tolist(), int(offset), final=bool(reason))
-                     for row, offset, reason in zip(ids, offsets, finished)]
+            texts = [text_delta(self.tokenizer, row.tolist(), int(offset)) for row, offset in zip(ids, offsets)]
             text = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text)]))
         return responses

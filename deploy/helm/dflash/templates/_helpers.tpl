@@ -132,12 +132,37 @@ tolerations:
 {{- end }}
 {{- end }}
 
+{{/* The builder's --target: model.target (a path under /models or a hub id), else model.preset. */}}
+{{- define "dflash.target" -}}
+{{- default .Values.model.preset .Values.model.target }}
+{{- end }}
+
+{{/*
+The Hugging Face repos the build Job downloads, as a JSON list: the preset's target and drafter unless model.*
+replaces them (the contract names them by part), and model.target and model.drafter where they are hub ids
+(a path starts with /, the schema's rule).
+*/}}
+{{- define "dflash.downloads" -}}
+{{- $m := .Values.model }}
+{{- $repos := list }}
+{{- if $m.preset }}
+{{- $preset := (get (include "dflash.contract" . | fromYaml).presets $m.preset).downloads }}
+{{- if $preset.target }}{{ $repos = append $repos $preset.target }}{{ end }}
+{{- if and $preset.drafter (not $m.drafter) }}{{ $repos = append $repos $preset.drafter }}{{ end }}
+{{- end }}
+{{- range list $m.target $m.drafter }}
+{{- if and . (ne . "none") (not (hasPrefix "/" .)) }}{{ $repos = append $repos . }}{{ end }}
+{{- end }}
+{{- toJson $repos }}
+{{- end }}
+
 {{/*
 The build Job's flags: from model.* and server.*, then build.args (checked in dflash.buildOptions).
 --gpu and --tensor-parallel-size come from the servers' values, so the build and the pods cannot disagree.
 */}}
 {{- define "dflash.builderArgs" -}}
-{{- $args := list "--target" .Values.model.preset "--output" (include "dflash.buildPath" .) }}
+{{- $args := list "--target" (include "dflash.target" .) "--output" (include "dflash.buildPath" .) }}
+{{- with .Values.model.drafter }}{{ $args = concat $args (list "--drafter" .) }}{{ end }}
 {{- if .Values.server.gpuType }}{{ $args = concat $args (list "--gpu" .Values.server.gpuType) }}{{ end }}
 {{- if gt (int .Values.server.tensorParallel) 1 }}
 {{- $args = concat $args (list "--tensor-parallel-size" (toString .Values.server.tensorParallel)) }}

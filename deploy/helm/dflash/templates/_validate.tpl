@@ -22,7 +22,7 @@ Returns the options the deployment's shape depends on, as JSON.
 */}}
 {{- define "dflash.buildOptions" -}}
 {{- $builder := (include "dflash.contract" . | fromYaml).builder }}
-{{- $owned := dict "--target" "model.preset" "--output" "model.build" "--gpu" "server.gpuType" "--tensor-parallel-size" "server.tensorParallel" }}
+{{- $owned := dict "--target" "model.preset or model.target" "--drafter" "model.drafter" "--output" "model.build" "--gpu" "server.gpuType" "--tensor-parallel-size" "server.tensorParallel" }}
 {{- $notInJob := list "--dry-run" "--check" "--help" "-h" }}
 {{- $options := dict "--runtime" "torch" "--device" "auto" "--quant" "none" }}
 {{- $pending := "" }}
@@ -100,7 +100,7 @@ A training tool's extra flags against its parser's (from the contract): (dict "a
 {{- end }}
 {{- end }}
 {{- if $t.data.enabled }}
-{{- $owned := dict "--target" "model.preset" "--output" "training.responses" "--server" "this release's gateway" "--num-prompts" "training.data.numPrompts" "--concurrency" "training.data.concurrency" }}
+{{- $owned := dict "--target" "model.preset or model.target" "--output" "training.responses" "--server" "this release's gateway" "--num-prompts" "training.data.numPrompts" "--concurrency" "training.data.concurrency" }}
 {{- include "dflash.checkToolFlags" (dict "args" $t.data.args "flags" $contract.training.dataFlags "owned" $owned "value" "training.data.args" "tool" "dflash-drafter-data") }}
 {{- end }}
 {{- if $t.train.enabled }}
@@ -108,7 +108,7 @@ A training tool's extra flags against its parser's (from the contract): (dict "a
 {{- if gt (len $job) 63 }}
 {{- fail (printf "the release name (or fullnameOverride) + training.run are too long: the last training pod's hostname (%s, the zeros stand for a hash) would exceed 63 characters" $job) }}
 {{- end }}
-{{- $owned := dict "--target" "model.preset" "--output" "training.run" "--responses" "training.responses" }}
+{{- $owned := dict "--target" "model.preset or model.target" "--output" "training.run" "--responses" "training.responses" }}
 {{- include "dflash.checkToolFlags" (dict "args" $t.train.args "flags" $contract.training.trainerFlags "owned" $owned "value" "training.train.args" "tool" "dflash-train-drafter") }}
 {{- $device := "cpu" }}
 {{- range $i, $arg := $t.train.args }}
@@ -134,7 +134,32 @@ A training tool's extra flags against its parser's (from the contract): (dict "a
 {{- end }}
 {{- end }}
 
+{{/*
+The model: a preset, or a target of one's own with its drafter (the forms of model.target and model.drafter, a
+folder under /models or a hub id, are the schema's).
+*/}}
+{{- define "dflash.validateModel" -}}
+{{- $m := .Values.model }}
+{{- if and $m.preset $m.target }}
+{{- fail (printf "model.target (%s) and model.preset (%s) both name the target: set model.preset to \"\" to deploy your own target, or model.target to \"\" for the preset's" $m.target $m.preset) }}
+{{- end }}
+{{- if not (or $m.preset $m.target) }}
+{{- fail "model.preset or model.target must name the target (a preset of dflash_contract/presets.py, a folder under /models or a hub id)" }}
+{{- end }}
+{{- if and $m.target (not $m.drafter) }}
+{{- fail (printf "model.target %s needs model.drafter: its DFlash drafter (a folder under /models or a hub id), or none for plain decoding" $m.target) }}
+{{- end }}
+{{- $buildPath := include "dflash.buildPath" . }}
+{{- range $key := list "target" "drafter" }}
+{{- $ref := get $m $key | toString }}
+{{- if hasPrefix (printf "%s/" $buildPath) (printf "%s/" $ref) }}
+{{- fail (printf "model.%s %s is inside the build's own folder %s, which every build replaces: keep checkpoints in a folder of their own (e.g. /models/checkpoints/...)" $key $ref $buildPath) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "dflash.validate" -}}
+{{- include "dflash.validateModel" . }}
 {{- include "dflash.validateTraining" . }}
 {{- $v := .Values }}
 {{- $contract := include "dflash.contract" . | fromYaml }}
@@ -186,9 +211,11 @@ A training tool's extra flags against its parser's (from the contract): (dict "a
 {{- with $build.errors }}{{ fail (first .) }}{{ end }}
 {{- $runtime := get $build "--runtime" }}
 {{- $device := get $build "--device" }}
-{{- $preset := get $contract.presets $v.model.preset }}
+{{- with $v.model.preset }}
+{{- $preset := get $contract.presets . }}
 {{- if not (has $runtime $preset.runtimes) }}
-{{- fail (printf "model.preset %s runs on --runtime %s only, but build.args ask for --runtime %s" $v.model.preset (join " or " $preset.runtimes) $runtime) }}
+{{- fail (printf "model.preset %s runs on --runtime %s only, but build.args ask for --runtime %s" . (join " or " $preset.runtimes) $runtime) }}
+{{- end }}
 {{- end }}
 {{- if eq $v.image.kind "cpu" }}
 {{- /* device auto is the CPU in the CPU image (its torch has no CUDA) */}}
