@@ -50,6 +50,18 @@ def _engine(tiny):
     return SpeculativeEngine(target, drafter, max_batch_size=2, max_context=256)
 
 
+class SlowCollector(Collector):
+    """A Collector whose client reads slowly: each chunk holds the loop's thread, which sends it, that long."""
+
+    def __init__(self, seconds_per_chunk: float):
+        super().__init__()
+        self.seconds_per_chunk = seconds_per_chunk
+
+    def send(self, chunk):
+        time.sleep(self.seconds_per_chunk)
+        super().send(chunk)
+
+
 def _loop(tiny, **kwargs):
     engine = _engine(tiny)
     return engine, EngineLoop(lambda: engine, **kwargs)
@@ -272,7 +284,9 @@ def test_a_request_that_waits_too_long_for_a_slot_is_refused_as_at_capacity(tiny
     engine, loop = _loop(tiny, max_queue_seconds=0.5)  # 2 slots
     try:
         long = SamplingParams(max_new_tokens=200, ignore_eos=True)
-        running = [Collector() for _ in range(2)]
+        # slow readers hold the slots past the limit however fast this machine decodes: a chunk per request per step,
+        # and a step commits at most a block (16), so 200 tokens take at least 13 steps x 2 chunks x 0.05 s = 1.3 s
+        running = [SlowCollector(seconds_per_chunk=0.05) for _ in range(2)]
         for stream in running:
             loop.submit(PROMPTS[0], long, stream)
         waiting = Collector()
