@@ -35,7 +35,8 @@ from dflash_contract.server import (ABORT_SECONDS, DRAIN_FILE_ENV, DRAIN_SECONDS
                                     EXIT_TIMEOUT_S, FAILURE_FILE_ENV, FLUSH_SECONDS, GATEWAY_HEALTH_PATH,
                                     HANG_FLOOR_SECONDS, HANG_STEP_MULTIPLE, HEALTH_CHECK_SECONDS, METRICS_PATH,
                                     NOT_READY_CHECKS, OPENAI_API_KEY_ENV, PORTS, PROGRESS_FILE_ENV, QUEUE_TIMEOUT_ENV,
-                                    QUEUE_TIMEOUT_SECONDS, READY_PATH, UNHEALTHY_EXIT_CODE, StepProgress, drained_path)
+                                    QUEUE_TIMEOUT_SECONDS, READY_PATH, STREAMS_END_SECONDS, UNHEALTHY_EXIT_CODE, StepProgress,
+                                    acknowledged_path)
 from dflash_contract.versions import version_warning
 
 from .ports import PortError, pick_ports
@@ -44,6 +45,7 @@ ANY_ADDRESS = "0.0.0.0"  # tritonserver's default: every interface
 DRAIN_FILE = "draining"
 PROGRESS_FILE = "engine-progress"
 FAILURE_FILE = "engine-failed"
+STREAM_ENDING_MODEL = "dflash_bls"  # the model that ends its streams with the cause of a failure
 STUB_BINARY = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
 # The NGC image nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 ships TensorRT-LLM's LLM-API Triton
@@ -316,9 +318,9 @@ class TritonServer:
         drain_file.touch()
         # the dflash model says when it has no request left; metrics gauges lag behind it
         deadline = time.monotonic() + self.drain_seconds + DRAIN_SLACK_S
-        while time.monotonic() < deadline and self.process.poll() is None and not drained_path(drain_file).exists():
+        while time.monotonic() < deadline and self.process.poll() is None and not acknowledged_path(drain_file).exists():
             time.sleep(0.25)
-        drained = drained_path(drain_file).exists()
+        drained = acknowledged_path(drain_file).exists()
         _say(f"{'no request left' if drained else 'the drain timed out'} after {time.monotonic() - started:.1f} s; "
              f"stopping tritonserver (models unload within {EXIT_TIMEOUT_S} s)")
         time.sleep(FLUSH_SECONDS)
@@ -342,9 +344,10 @@ class TritonServer:
     def abort(self, cause: str) -> int:
         """Stop now, for a server that cannot serve: what a dead backend held never completes, and
         tritonserver's graceful exit waits for it (measured on 2.51: past its exit timeout)."""
-        if not self.failure_file.exists():  # tells the front models, which end their streams with it
+        if not self.failure_file.exists():  # tells dflash_bls, which ends its streams with it
             self.failure_file.write_text(cause)
         if self.process.poll() is None:
+            self._wait_for_streams_ended()
             time.sleep(FLUSH_SECONDS)  # for those final errors to leave
             if self.gateway is not None:
                 self.gateway.stop(FLUSH_SECONDS)
@@ -356,6 +359,16 @@ class TritonServer:
                 self.process.wait()
         self._clean_up()
         return self.process.returncode
+
+    def _wait_for_streams_ended(self) -> None:
+        """Until dflash_bls has handed every stream in flight its final error (at most STREAMS_END_SECONDS)."""
+        if not any(b.model == STREAM_ENDING_MODEL and b.alive() for b in self.backends):
+            return  # nobody to wait for
+        ended, deadline = acknowledged_path(self.failure_file), time.monotonic() + STREAMS_END_SECONDS
+        while not ended.exists() and time.monotonic() < deadline and self.process.poll() is None:
+            time.sleep(0.05)
+        if not ended.exists():
+            _say(f"{STREAM_ENDING_MODEL} did not end its streams within {STREAMS_END_SECONDS} s; they end unanswered")
 
     def _clean_up(self) -> None:
         if self.gateway is not None:

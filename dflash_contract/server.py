@@ -30,7 +30,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.
 # The drain protocol: on SIGTERM dflash-serve creates the drain file before it signals tritonserver.
 # Triton tells a Python model nothing until it unloads it, which happens only after in-flight
 # requests end; the dflash model watches the file, refuses new requests, fails the ones still running
-# after DRAIN_SECONDS (so every client gets a final response), then creates `drained_path` to say no
+# after DRAIN_SECONDS (so every client gets a final response), then creates `acknowledged_path` to say no
 # request is left, and the launcher stops tritonserver, which waits at most EXIT_TIMEOUT_S for models
 # to unload.
 DRAIN_FILE_ENV = "DFLASH_DRAIN_FILE"
@@ -49,13 +49,17 @@ SHUTDOWN_SECONDS = math.ceil(DRAIN_SECONDS + DRAIN_SLACK_S + FLUSH_SECONDS + EXI
 # (`is_ready`), but it never restarts one. So dflash-serve watches every HEALTH_CHECK_SECONDS: the
 # backend processes, the engine's failure file (the dflash model writes the cause there when its
 # engine loop dies) and Triton's readiness. On a failure it writes the cause to that file (dflash_bls
-# ends its streams with it), allows FLUSH_SECONDS for those errors to leave, stops tritonserver
+# ends its streams with it, then creates `acknowledged_path`), waits for that, at most
+# STREAMS_END_SECONDS, and allows FLUSH_SECONDS for those errors to leave, stops tritonserver
 # (SIGKILL after ABORT_SECONDS: a server with a dead backend does not finish its graceful exit) and
 # exits with UNHEALTHY_EXIT_CODE, so that the container (or its supervisor) restarts it.
 FAILURE_FILE_ENV = "DFLASH_FAILURE_FILE"
 HEALTH_CHECK_SECONDS = 1.0
 NOT_READY_CHECKS = 2  # consecutive "not ready" answers from tritonserver that count as a failure
 ABORT_SECONDS = 3
+# A response send blocks until tritonserver takes it (python_backend's ResponseSender::Send): once
+# dflash_bls says its streams ended, their errors are Triton's. A fixed pause instead lost one (CI, once).
+STREAMS_END_SECONDS = 3
 UNHEALTHY_EXIT_CODE = 3
 
 
@@ -147,9 +151,11 @@ def failure_signal() -> Path | None:
     return Path(path) if path else None
 
 
-def drained_path(drain_file: Path) -> Path:
-    """The file the model creates once draining left it no requests: the launcher may stop the server."""
-    return drain_file.with_name(drain_file.name + ".done")
+def acknowledged_path(signal_file: Path) -> Path:
+    """The file a model creates once it acted on a signal file from dflash-serve: after the drain file, no
+    request is left (the server may stop); after the failure file, every stream in flight was handed its
+    final error (those may leave)."""
+    return signal_file.with_name(signal_file.name + ".done")
 
 
 def drain_signal() -> tuple[Path, float] | None:

@@ -90,12 +90,20 @@ def small_build(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(small_build, tmp_path_factory):
+def held(small_build, tmp_path_factory):
     """Holds the current dflash-serve: a test that kills it starts the next one here."""
     log = tmp_path_factory.mktemp("serve") / "dflash-serve.log"
     holder = {"server": Launched(small_build, log)}
     yield holder
     holder["server"].stop()
+
+
+@pytest.fixture
+def served(held):
+    """The held dflash-serve, serving: a test that failed after killing it leaves the next one a new server."""
+    if held["server"].process.poll() is not None:
+        held["server"] = Launched(held["server"].repository, held["server"].log)
+    return held
 
 
 # -- clients that vanish, a burst: the server stays healthy ---------------------------------------------

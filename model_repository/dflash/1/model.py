@@ -17,7 +17,7 @@ from dflash_contract import DFlashError
 from dflash_contract.presets import parse_block_size
 from dflash_contract.protocol import (CANCELLED_MESSAGE, FINISH_REASON, STATISTICS, config_type, error_class,
                                       invalid_request, response_statistics)
-from dflash_contract.server import drain_signal, drained_path, progress_signal, queue_timeout, report_engine_failure
+from dflash_contract.server import acknowledged_path, drain_signal, progress_signal, queue_timeout, report_engine_failure
 from dflash_contract.versions import version_warning
 from dflash_runtime.pipeline import load_pipeline
 from dflash_runtime.verify_length import StepCosts
@@ -81,7 +81,7 @@ class TritonPythonModel:
             time.sleep(0.5)
         self.loop.drain(seconds)
         self.loop.drained.wait()
-        drained_path(path).touch()  # dflash-serve may stop tritonserver now
+        acknowledged_path(path).touch()  # dflash-serve may stop tritonserver now
 
     def execute(self, requests):
         for request in requests:

@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 from dflash_contract.protocol import (CANCELLED_MESSAGE, ENGINE_INPUTS, ENGINE_STOPPED_MESSAGE, FINISH_REASON,
                                       FRONT_INPUTS, INTERNAL_ERROR_PREFIX, STATISTICS, TOKEN_OUTPUTS, error_class,
                                       invalid_request, parameters_error)
-from dflash_contract.server import failure_signal
+from dflash_contract.server import acknowledged_path, failure_signal
 from dflash_serving.metrics import BLS_CALL_PREFIX, RequestMetrics, TritonRegistry
 
 RESPONSE_OUTPUTS = (FINISH_REASON, *(s.tensor for s in STATISTICS))  # passed on to the client as they are
@@ -46,8 +46,11 @@ class TritonPythonModel:
         while not path.exists():
             time.sleep(FAILURE_CHECK_SECONDS)
         message = f"{ENGINE_STOPPED_MESSAGE} ({path.read_text(errors='replace')}); retry on another replica"
-        for stream in self.in_flight.take_all():
+        streams = self.in_flight.take_all()
+        for stream in streams:
             stream.end(pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE))
+        pb_utils.Logger.log_info(f"dflash_bls: the server is failing: {len(streams)} stream(s) ended with the cause")
+        acknowledged_path(path).touch()  # dflash-serve may stop tritonserver now
 
 
 class ClientStream:
