@@ -509,17 +509,26 @@ def drafter_training_args(target: str, train_args: str) -> argparse.Namespace:
     return args
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; a deleted Job, a timeout: ended alike
+_stopped_by: list[int] = []
+
+
 def _interrupted(signum, frame):
+    # remembered as well as raised: raised inside a native library's callback, the interrupt comes out as that
+    # library's error (safetensors' load_file: "could not determine the shape of object type ...", seen in CI)
+    _stopped_by.append(signum)
     raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _interrupted)  # a deleted Job, a timeout: ended like Ctrl-C
+    previous = {signum: signal.signal(signum, _interrupted) for signum in STOP_SIGNALS}
+    _stopped_by.clear()
     try:
         return _run(args)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -569,18 +578,26 @@ def _run(args: argparse.Namespace) -> int:
 
             train(training)
         manifest = build(opts, output, force=args.force)
-    except DFlashError as e:
-        print(f"build.py: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        if not _stopped_by:  # a failure, not a stop that a native library reported as an error of its own
+            if isinstance(e, DFlashError):
+                print(f"build.py: error: {e}", file=sys.stderr)
+                return 2
+            raise
+        return _say_interrupted(output, training)
     except KeyboardInterrupt:
-        kept = [k for k in kept_quantizations(output.resolve()) if (k / "quantization.json").is_file()]
-        print("\nbuild.py: interrupted; nothing was published" + (
-            f"; the quantized target is kept in {kept[-1]} and the next run with the same target and --quant, "
-            "--kv-cache, --calib-samples reuses it" if kept else "")
-            + ("; training resumes from its last checkpoint" if training else ""), file=sys.stderr)
-        return 130
+        return _say_interrupted(output, training)
     print(summary(manifest, output))
     return 0
+
+
+def _say_interrupted(output: Path, training) -> int:
+    kept = [k for k in kept_quantizations(output.resolve()) if (k / "quantization.json").is_file()]
+    print("\nbuild.py: interrupted; nothing was published" + (
+        f"; the quantized target is kept in {kept[-1]} and the next run with the same target and --quant, "
+        "--kv-cache, --calib-samples reuses it" if kept else "")
+        + ("; training resumes from its last checkpoint" if training else ""), file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -341,9 +341,10 @@ class TritonServer:
         self._clean_up()
         return self.process.returncode
 
-    def abort(self, cause: str) -> int:
+    def abort(self, cause: str) -> bool:
         """Stop now, for a server that cannot serve: what a dead backend held never completes, and
-        tritonserver's graceful exit waits for it (measured on 2.51: past its exit timeout)."""
+        tritonserver's graceful exit waits for it (measured on 2.51: past its exit timeout). True if
+        tritonserver ended by itself first (2.51 sometimes aborts when a stub dies: its streams end unanswered)."""
         if not self.failure_file.exists():  # tells dflash_bls, which ends its streams with it
             self.failure_file.write_text(cause)
         if self.process.poll() is None:
@@ -351,6 +352,8 @@ class TritonServer:
             time.sleep(FLUSH_SECONDS)  # for those final errors to leave
             if self.gateway is not None:
                 self.gateway.stop(FLUSH_SECONDS)
+        ended_by_itself = self.process.poll() is not None
+        if not ended_by_itself:
             self.process.send_signal(signal.SIGTERM)  # it stops listening at once: probes and clients see it
             try:
                 self.process.wait(ABORT_SECONDS)
@@ -358,7 +361,7 @@ class TritonServer:
                 self.process.kill()
                 self.process.wait()
         self._clean_up()
-        return self.process.returncode
+        return ended_by_itself
 
     def _wait_for_streams_ended(self) -> None:
         """Until dflash_bls has handed every stream in flight its final error (at most STREAMS_END_SECONDS)."""
@@ -367,7 +370,7 @@ class TritonServer:
         ended, deadline = acknowledged_path(self.failure_file), time.monotonic() + STREAMS_END_SECONDS
         while not ended.exists() and time.monotonic() < deadline and self.process.poll() is None:
             time.sleep(0.05)
-        if not ended.exists():
+        if not ended.exists() and self.process.poll() is None:
             _say(f"{STREAM_ENDING_MODEL} did not end its streams within {STREAMS_END_SECONDS} s; they end unanswered")
 
     def _clean_up(self) -> None:
@@ -548,15 +551,18 @@ def supervise(server: TritonServer, shutdown: threading.Thread) -> int:
         problem = server.health_problem() if shutdown.ident is None else None
         if problem and shutdown.ident is None:
             _say(f"{problem}; stopping tritonserver so that the server is restarted")
-            server.abort(problem)
-            return UNHEALTHY_EXIT_CODE
+            return _ended_on_its_own(server.process.returncode) if server.abort(problem) else UNHEALTHY_EXIT_CODE
         time.sleep(HEALTH_CHECK_SECONDS)
     code = server.stop()
     if shutdown.ident is not None:
         _say(f"stopped (tritonserver exit code {code})")
         return code
-    cause = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-    _say(f"tritonserver ended on its own ({cause})")
+    return _ended_on_its_own(code)
+
+
+def _ended_on_its_own(code: int) -> int:
+    """dflash-serve's exit status for a tritonserver that ended without being asked: 128 + N for signal N."""
+    _say(f"tritonserver ended on its own ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'})")
     return 128 - code if code < 0 else UNHEALTHY_EXIT_CODE
 
 
