@@ -515,7 +515,7 @@ _stopped_by: list[int] = []
 
 def _interrupted(signum, frame):
     # remembered as well as raised: raised inside a native library's callback, the interrupt comes out as that
-    # library's error (safetensors' load_file: "could not determine the shape of object type ...", seen in CI)
+    # library's error (safetensors' load_file: "could not determine the shape of object type ...", seen in a test run)
     _stopped_by.append(signum)
     raise KeyboardInterrupt
 

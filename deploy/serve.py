@@ -35,8 +35,8 @@ from dflash_contract.server import (ABORT_SECONDS, DRAIN_FILE_ENV, DRAIN_SECONDS
                                     EXIT_TIMEOUT_S, FAILURE_FILE_ENV, FLUSH_SECONDS, GATEWAY_HEALTH_PATH,
                                     HANG_FLOOR_SECONDS, HANG_STEP_MULTIPLE, HEALTH_CHECK_SECONDS, METRICS_PATH,
                                     NOT_READY_CHECKS, OPENAI_API_KEY_ENV, PORTS, PROGRESS_FILE_ENV, QUEUE_TIMEOUT_ENV,
-                                    QUEUE_TIMEOUT_SECONDS, READY_PATH, STREAMS_END_SECONDS, UNHEALTHY_EXIT_CODE, StepProgress,
-                                    acknowledged_path)
+                                    QUEUE_TIMEOUT_SECONDS, READY_PATH, STREAMS_END_SECONDS, UNHEALTHY_EXIT_CODE,
+                                    StepProgress, acknowledged_path)
 from dflash_contract.versions import version_warning
 
 from .ports import PortError, pick_ports
@@ -317,10 +317,7 @@ class TritonServer:
         drain_file = self.runtime_dir / DRAIN_FILE
         drain_file.touch()
         # the dflash model says when it has no request left; metrics gauges lag behind it
-        deadline = time.monotonic() + self.drain_seconds + DRAIN_SLACK_S
-        while time.monotonic() < deadline and self.process.poll() is None and not acknowledged_path(drain_file).exists():
-            time.sleep(0.25)
-        drained = acknowledged_path(drain_file).exists()
+        drained = self._acknowledged(drain_file, self.drain_seconds + DRAIN_SLACK_S)
         _say(f"{'no request left' if drained else 'the drain timed out'} after {time.monotonic() - started:.1f} s; "
              f"stopping tritonserver (models unload within {EXIT_TIMEOUT_S} s)")
         time.sleep(FLUSH_SECONDS)
@@ -367,11 +364,15 @@ class TritonServer:
         """Until dflash_bls has handed every stream in flight its final error (at most STREAMS_END_SECONDS)."""
         if not any(b.model == STREAM_ENDING_MODEL and b.alive() for b in self.backends):
             return  # nobody to wait for
-        ended, deadline = acknowledged_path(self.failure_file), time.monotonic() + STREAMS_END_SECONDS
-        while not ended.exists() and time.monotonic() < deadline and self.process.poll() is None:
-            time.sleep(0.05)
-        if not ended.exists() and self.process.poll() is None:
+        if not self._acknowledged(self.failure_file, STREAMS_END_SECONDS) and self.process.poll() is None:
             _say(f"{STREAM_ENDING_MODEL} did not end its streams within {STREAMS_END_SECONDS} s; they end unanswered")
+
+    def _acknowledged(self, signal_file: Path, seconds: float) -> bool:
+        """Whether a model acknowledged `signal_file` (acknowledged_path) within `seconds`, while tritonserver runs."""
+        done, deadline = acknowledged_path(signal_file), time.monotonic() + seconds
+        while not done.exists() and time.monotonic() < deadline and self.process.poll() is None:
+            time.sleep(0.05)
+        return done.exists()
 
     def _clean_up(self) -> None:
         if self.gateway is not None:

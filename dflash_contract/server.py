@@ -58,7 +58,7 @@ HEALTH_CHECK_SECONDS = 1.0
 NOT_READY_CHECKS = 2  # consecutive "not ready" answers from tritonserver that count as a failure
 ABORT_SECONDS = 3
 # A response send blocks until tritonserver takes it (python_backend's ResponseSender::Send): once
-# dflash_bls says its streams ended, their errors are Triton's. A fixed pause instead lost one (CI, once).
+# dflash_bls says its streams ended, their errors are Triton's (rather than a guess at a pause).
 STREAMS_END_SECONDS = 3
 UNHEALTHY_EXIT_CODE = 3
 
