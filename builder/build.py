@@ -28,7 +28,7 @@ from builder.staging import partial_folder, publish, remove_abandoned
 from dflash_contract import DFlashError
 from dflash_contract.layout import (DRAFTER_DIR, MANIFEST_FILE, REPOSITORY_DIR, TARGET_DIR, TRTLLM_OPTIONS_FILE,
                                     VERIFY_PROFILE_FILE, build_key, file_hashes, in_build, read_manifest)
-from dflash_contract.presets import AUTO_BLOCK_SIZE, PRESETS
+from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_SPECULATIVE_SAMPLING, PRESETS
 from dflash_runtime.checkpoint import is_hub_id, resolve_checkpoint, resolve_target
 from dflash_runtime.config import DrafterConfig, TargetConfig, TransformerShape, read_json
 
@@ -157,7 +157,8 @@ def checked_flags(opts: BuildOptions) -> str:
         ("--gpu", opts.gpu, None), ("--quant", opts.quant, "none"), ("--kv-cache", opts.kv_cache, "none"),
         ("--tensor-parallel-size", opts.tensor_parallel_size, 1),
         ("--pipeline-parallel-size", opts.pipeline_parallel_size, 1),
-        ("--dflash-attention", opts.dflash_attention, None)] if value != default]
+        ("--dflash-attention", opts.dflash_attention, None),
+        ("--speculative-sampling", opts.speculative_sampling, DEFAULT_SPECULATIVE_SAMPLING)] if value != default]
     return " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in flags)
 
 
@@ -177,7 +178,8 @@ def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
     steps.append(f"copy the drafter into {output / DRAFTER_DIR}" if inputs.drafter_ref else "no drafter to copy")
     if opts.runtime == "torch":
         steps.append(f"render the Triton model repository ({', '.join(TORCH_MODELS)}) into {output / REPOSITORY_DIR}: "
-                     f"max batch {opts.max_batch_size}, context {inputs.max_context}, {opts.dtype} on {opts.device}")
+                     f"max batch {opts.max_batch_size}, context {inputs.max_context}, {opts.dtype} on {opts.device}, "
+                     f"speculative sampling {opts.speculative_sampling}")
     else:
         steps.append(f"write TensorRT-LLM LLM-API options ({TRTLLM_OPTIONS_FILE}: DFlash, "
                      f"tp {opts.tensor_parallel_size}, "
@@ -217,6 +219,7 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
         "target_dir": f"../{TARGET_DIR}",
         "drafter_dir": f"../{DRAFTER_DIR}" if inputs.drafter_dir else "",
         "block_size": inputs.block_size,
+        "speculative_sampling": opts.speculative_sampling,
         # made by the sanity run; without one the server profiles when it starts
         "verify_profile": f"../{VERIFY_PROFILE_FILE}" if inputs.profiles and opts.sanity_tokens else "",
         "max_context": inputs.max_context,
@@ -254,7 +257,7 @@ def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
     if dflash.policy is not None:
         profile = dflash.policy.costs.to_json()
         (build / VERIFY_PROFILE_FILE).write_text(json.dumps(profile, indent=2) + "\n")
-        rates = [round(p, 4) for p in dflash.policy.acceptance[True].rates()]  # the sanity run is greedy
+        rates = [round(p, 4) for p in dflash.policy.acceptance["greedy"].rates()]  # the sanity run is greedy
         result["verify_profile"] = {**profile, "acceptance_rates": rates}
     return result
 

@@ -11,7 +11,9 @@ from pathlib import Path
 from builder.trtllm import DFLASH_ATTENTION_BACKEND_SMS
 from dflash_contract import DFlashError
 from dflash_contract.cli import ArgumentParser
-from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, PRESETS, block_size_argument, preset_table
+from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_PRESET, DEFAULT_SPECULATIVE_SAMPLING, PRESETS,
+                                     SPECULATIVE_SAMPLING, block_size_argument, check_speculative_sampling,
+                                     preset_table)
 
 RUNTIMES = ("torch", "trtllm")
 QUANT_FORMATS = ("none", "fp8", "nvfp4")
@@ -65,6 +67,7 @@ class BuildOptions:
     pipeline_parallel_size: int = 1
     dflash_attention: str | None = None  # trtllm: DFlashDecodingConfig.attention_backend; None: upstream's (VANILLA)
     sanity_tokens: int = 32
+    speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING  # sampled requests that name no method
 
 
 def names_a_drafter(opts: BuildOptions) -> bool:
@@ -120,6 +123,10 @@ def check_options(opts: BuildOptions) -> None:
             raise DFlashError(f"{flag} must be >= {least}, got {value}")
     if opts.max_context is not None:
         check_context_room(opts.max_context, known_block_size(opts))
+    check_speculative_sampling(opts.speculative_sampling)
+    if opts.runtime == "trtllm" and opts.speculative_sampling != DEFAULT_SPECULATIVE_SAMPLING:
+        raise DFlashError(f"--speculative-sampling {opts.speculative_sampling} is for --runtime torch: TensorRT-LLM's "
+                          "DFlash verifies its drafts by its own rule")
     if opts.runtime == "trtllm":
         from builder.trtllm import check_gpu_support, resolve_gpu
 
@@ -194,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=block_size_argument, default=AUTO_BLOCK_SIZE,
                         help=f"{AUTO_BLOCK_SIZE!r} (default): the engine picks each step's verify length up to the "
                              "drafter's block, from a profile of step times the sanity run records; a number fixes it")
+    parser.add_argument("--speculative-sampling", default=DEFAULT_SPECULATIVE_SAMPLING, choices=SPECULATIVE_SAMPLING,
+                        help="how sampled requests verify drafts where they name no method (a request may): exact "
+                             "(default; the output is the target's own sample, the same as without speculation at "
+                             "any block size) or rejection (min(1, p/q): the same distribution, but the sample "
+                             "depends on the drafter and the block size)")
     parser.add_argument("--max-batch-size", type=int, default=8,
                         help="sequences decoded together (KV-cache slots; default: 8)")
     parser.add_argument("--max-context", type=int,
@@ -230,4 +242,4 @@ def options_from_args(args: argparse.Namespace) -> BuildOptions:
                         max_queue_size=args.max_queue_size, dtype=args.dtype, device=args.device, gpu=args.gpu,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size, dflash_attention=args.dflash_attention,
-                        sanity_tokens=args.sanity_tokens)
+                        sanity_tokens=args.sanity_tokens, speculative_sampling=args.speculative_sampling)

@@ -6,6 +6,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from dflash_contract.presets import SPECULATIVE_SAMPLING
 from dflash_contract.protocol import INVALID_REQUEST_PREFIX, invalid_request
 
 from .client import RetryPolicy
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, in (0, 1]")
     group.add_argument("--seed", type=int, metavar="S", help="same seed, same answer (with or without the drafter)")
     group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    group.add_argument("--speculative-sampling", choices=SPECULATIVE_SAMPLING,
+                       help="how a sampled request verifies drafts: exact (the same answer as without speculation) or "
+                            "rejection (min(1, p/q): the same distribution, another sample); default: the build's")
 
     parser = argparse.ArgumentParser(
         prog="dflash-client", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
@@ -94,7 +98,8 @@ def connect(args) -> DFlashClient:
 
 def params_from(args) -> GenerationParams:
     return GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
+                            speculative_sampling=args.speculative_sampling)
 
 
 def run_health(client: DFlashClient, args) -> int:

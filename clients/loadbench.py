@@ -31,6 +31,8 @@ from typing import Callable
 
 import numpy as np
 
+from dflash_contract.presets import SPECULATIVE_SAMPLING
+
 from .client import AsyncDFlashClient
 from .errors import DFlashClientError
 from .openai_http import OpenAIHttpClient
@@ -340,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", required=True, metavar="DIR",
                         help="the served model's tokenizer, to count output tokens: <build>/target")
     parser.add_argument("--prompts", default="sharegpt", metavar="SET",
-                        help="chat, sharegpt (held-out split), humaneval, or a .jsonl file (default: sharegpt)")
+                        help="chat, sharegpt (held-out split), humaneval, mtbench, math500, or a .jsonl file "
+                             "(default: sharegpt)")
     parser.add_argument("--num-prompts", type=int, default=32, metavar="N", help="requests per level (default: 32)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, nargs="+", metavar="N", help="concurrency levels (default: 1 4 8)")
@@ -349,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
                         help="0 = greedy (default): both servers must agree")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    parser.add_argument("--speculative-sampling", choices=SPECULATIVE_SAMPLING,
+                        help="how sampled requests verify drafts: exact or rejection (default: each server's build)")
     parser.add_argument("--seed", type=int, default=0, metavar="S",
                         help="sampling seed and arrival schedule (default: 0)")
     parser.add_argument("--ignore-eos", action="store_true",
@@ -379,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
 
         params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   seed=args.seed if args.temperature > 0 else None,
-                                  end_id=-1 if args.ignore_eos else None)
+                                  end_id=-1 if args.ignore_eos else None,
+                                  speculative_sampling=args.speculative_sampling)
         workload = Workload(prompt_set(args.prompts, args.num_prompts), params, not args.raw, args.seed)
         summary = asyncio.run(run(args, workload, levels, token_counter(args.tokenizer)))
     except (DFlashClientError, ValueError, OSError) as e:  # DFlashError (bad prompt set) is a ValueError

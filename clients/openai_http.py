@@ -39,7 +39,8 @@ class OpenAIHttpClient:
                 **({"seed": params.seed} if params.seed is not None else {}),
                 **({"stop": list(params.stop)} if params.stop else {}),
                 **({"min_tokens": params.min_tokens} if params.min_tokens else {}),
-                **({"ignore_eos": True} if params.end_id == -1 else {})}
+                **({"ignore_eos": True} if params.end_id == -1 else {}),
+                **({"speculative_sampling": params.speculative_sampling} if params.speculative_sampling else {})}
         if chat or not isinstance(prompt, str):
             path = "/v1/chat/completions"
             body["messages"] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
+from dflash_contract.presets import speculative_sampling_error
 from dflash_contract.protocol import messages_count_error, prompt_size_error, range_error, stop_words_error
 
 from .errors import InvalidRequest
@@ -36,6 +37,9 @@ class GenerationParams:
     # True: max_tokens is a ceiling the server lowers to what its context leaves after the prompt, rather than
     # refusing prompt + max_tokens over the context (the OpenAI gateway's defaults)
     clip_max_tokens: bool = False
+    # how a sampled request verifies drafts: "exact" (the same output as without speculation) or "rejection" (the
+    # same distribution, another sample); None: the server's build decides
+    speculative_sampling: str | None = None
 
     def __post_init__(self):
         # The tensor types bound what fits (INT32, UINT64); within them, the server's ranges.
@@ -52,6 +56,8 @@ class GenerationParams:
         _check(not isinstance(self.stop, str), "stop must be a sequence of strings, not one string")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must not be empty")
         error = stop_words_error("stop", self.stop)
+        _check(error is None, error)
+        error = None if self.speculative_sampling is None else speculative_sampling_error(self.speculative_sampling)
         _check(error is None, error)
 
 

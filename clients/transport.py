@@ -112,6 +112,8 @@ class Request:
             fields["clip_max_tokens"] = True
         if p.seed is not None:
             fields["seed"] = p.seed
+        if p.speculative_sampling is not None:
+            fields["speculative_sampling"] = p.speculative_sampling
         if p.end_id is not None:
             fields["end_id"] = p.end_id
         if p.stop:
@@ -382,7 +384,8 @@ def _templater(templater: Templater | None, name: str) -> Templater:
 
 def _llmapi_fields(request: Request, prompt: str) -> dict[str, object]:
     p = request.params
-    unavailable = {"min_tokens": p.min_tokens or None, "end_id": p.end_id}  # no such LLM-API inputs
+    unavailable = {"min_tokens": p.min_tokens or None, "end_id": p.end_id,  # no such LLM-API inputs
+                   "speculative_sampling": p.speculative_sampling}
     for name, value in unavailable.items():
         if value is not None:
             raise InvalidRequest(invalid_request(

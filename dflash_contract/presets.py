@@ -11,6 +11,13 @@ from dataclasses import dataclass
 from . import DFlashError
 
 AUTO_BLOCK_SIZE = "auto"  # each engine step picks its verify length (dflash_runtime/verify_length.py)
+# How a sampled request (temperature > 0) verifies drafts, per build and per request (dflash_runtime/sampling.py):
+#   exact      the target's own sample at every position, so the output is the same as without speculation, at
+#              any block size (the default);
+#   rejection  speculative rejection sampling (min(1, p/q)): the target's distribution, but which sample a
+#              request gets depends on the drafter and the block size.
+SPECULATIVE_SAMPLING = ("exact", "rejection")
+DEFAULT_SPECULATIVE_SAMPLING = "exact"
 
 
 @dataclass(frozen=True)
@@ -73,3 +80,18 @@ def block_size_argument(text: str) -> int | str:
         return parse_block_size(text)
     except DFlashError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def speculative_sampling_error(name) -> str | None:
+    """The message for a speculative sampling method that is not one, naming it and the choices; else None."""
+    if name in SPECULATIVE_SAMPLING:
+        return None
+    return f"speculative_sampling must be one of {', '.join(SPECULATIVE_SAMPLING)}; got {name!r}"
+
+
+def check_speculative_sampling(name: str) -> str:
+    """A speculative sampling method's name, or DFlashError (speculative_sampling_error)."""
+    error = speculative_sampling_error(name)
+    if error:
+        raise DFlashError(error)
+    return name

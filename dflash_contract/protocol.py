@@ -50,6 +50,9 @@ FRONT_INPUTS = {
     "top_p": "FP32",
     "seed": "UINT64",
     "random_seed": "UINT64",  # the older name of seed
+    # how a sampled request verifies drafts: "exact" (its output is the same as without speculation) or "rejection"
+    # (the same distribution; the sample depends on the drafter); absent: the build's (presets.SPECULATIVE_SAMPLING)
+    "speculative_sampling": "BYTES",
     "end_id": "INT32",
     "pad_id": "INT32",
     "stop_words": "BYTES",
@@ -61,7 +64,7 @@ PROMPT_INPUTS = ("text_input", "messages")
 MESSAGE_ROLES = ("system", "user", "assistant")
 # What the front model passes on to the `dflash` engine model unchanged (text goes through preprocessing).
 ENGINE_INPUTS = ("max_tokens", "clip_max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p", "seed",
-                 "random_seed", "end_id", "pad_id", "stop_words", "bad_words")
+                 "random_seed", "speculative_sampling", "end_id", "pad_id", "stop_words", "bad_words")
 # `dflash` model outputs besides the statistics: a window of token ids and how many were shown before.
 TOKEN_OUTPUTS = ("output_ids", "read_offset")
 FINISH_REASON = "finish_reason"  # BYTES: "" while running, then "stop", "length" or "cancelled"

@@ -24,13 +24,14 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from dflash_contract.presets import AUTO_BLOCK_SIZE
+from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_SPECULATIVE_SAMPLING, check_speculative_sampling
 
 from .config import DFlashError
 from .drafter import DFlashDrafter
 from .kv_cache import KVCache
 from .kv_injection.op import KERNEL_IS_FASTER
-from .sampling import SamplingParams, choose_tokens, sample_tokens, to_device
+from .sampling import (DRAFT, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens, proposal_hits,
+                       propose_tokens, rejection_choices, sample_tokens, to_device)
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence
 from .step_graphs import StepGraphs, batch_bucket, length_bucket, length_buckets
@@ -72,6 +73,19 @@ class StepClock:
 
 
 @dataclass
+class SampledRows:
+    """A step's sampled rows: their indices [S], parameters, positions [S, k] (block row t chooses the token
+    at position start + 1 + t, which draft t + 1 guesses) and the noise there; which rows use rejection
+    sampling ([S] bool), None when none does."""
+
+    rows: torch.Tensor
+    params: RowParams
+    positions: torch.Tensor
+    noise: GumbelNoise
+    rejection: torch.Tensor | None
+
+
+@dataclass
 class StepOutput:
     sequence: Sequence
     new_token_ids: list[int]
@@ -86,13 +100,18 @@ class SpeculativeEngine:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, *,
                  block_size: int | str | None = AUTO_BLOCK_SIZE, max_batch_size: int = 8,
                  max_context: int | None = None, decode: Callable[[list[int]], str] | None = None,
-                 step_costs: StepCosts | None = None, static_shapes: bool | None = None):
+                 step_costs: StepCosts | None = None, static_shapes: bool | None = None,
+                 draft_sharpness: float | None = None,
+                 speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING):
         """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
         length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
         to start "auto" from, used if it was made on this device (else the engine profiles itself).
         decode: token ids -> text, needed only for stop strings. static_shapes: run steps over fixed
         shapes, as CUDA graphs on a GPU (default: on CUDA unless DFLASH_CUDA_GRAPHS=0; on a CPU it
-        only pads, which the tests use to check the graphs' functions)."""
+        only pads, which the tests use to check the graphs' functions). draft_sharpness: how exact sampling
+        drafts (sampling.propose_tokens): 1 couples the drafter's sample to the target's, 0 drafts argmax;
+        None: learned as the engine runs (sampling.ProposalRule).
+        speculative_sampling: the method of sampled requests that name none (presets.SPECULATIVE_SAMPLING)."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
@@ -103,6 +122,8 @@ class SpeculativeEngine:
         self.block_size = block_size
         self.max_context = min(max_context or 2048, target.config.max_position_embeddings)
         self.decode = decode
+        self.proposal_rule = ProposalRule(draft_sharpness)
+        self.speculative_sampling = check_speculative_sampling(speculative_sampling)
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
         capacity = cache_capacity(self.max_context, block_size)
         self.target_cache = target.new_cache(max_batch_size, capacity)
@@ -153,7 +174,7 @@ class SpeculativeEngine:
             raise DFlashError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop_strings and self.decode is None:
             raise DFlashError("stop strings need a tokenizer")
-        return Sequence(prompt_ids, params.with_seed())
+        return Sequence(prompt_ids, params.for_engine(self.speculative_sampling))
 
     def cancel(self, seq: Sequence) -> None:
         if not seq.finished:
@@ -205,7 +226,8 @@ class SpeculativeEngine:
     def _verify_length(self, batch: list[Sequence]) -> int:
         if self.policy is None:
             return self.block_size
-        return self.policy.choose([self.policy.expected(s.params.greedy, s.stats, self._remaining(s)) for s in batch])
+        return self.policy.choose([self.policy.expected(s.params.acceptance_kind, s.stats, self._remaining(s))
+                                   for s in batch])
 
     def _remaining(self, seq: Sequence) -> int:
         return min(seq.params.max_new_tokens - len(seq.output_ids), self.max_context - seq.num_tokens)
@@ -219,7 +241,7 @@ class SpeculativeEngine:
             accepted = reached = emitted - 1
         seq.stats.record(accepted, drafted, reached)
         if self.policy is not None:
-            self.policy.acceptance[seq.params.greedy].observe(accepted, reached)
+            self.policy.acceptance[seq.params.acceptance_kind].observe(accepted, reached)
 
     def _prefill(self, seq: Sequence) -> list[int]:
         """The prompt's pass through the target; returns the first output token (as a list)."""
@@ -252,16 +274,18 @@ class SpeculativeEngine:
         rows = KVCache.rows(row_slots, slots)
         context = max(s.last_position for s in batch)  # the longest committed context, in tokens
         clock = StepClock(self.device)
-        block = tokens  # [R, k]: each row's newest token, then k - 1 drafts
+        sampled = self._sampled_rows(batch, row_of, starts, k)
+        block, draft_logits = tokens, None  # block [R, k]: each row's newest token, then k - 1 drafts
         if k > 1:
             self._write_pending_context(batch)
             key = ("draft", len(row_slots), k, self._length(context + self.block_size))
-            block = self.graphs.run(key, self._pass(key, rows), tokens, starts, slots)
+            draft_logits = self.graphs.run(key, self._pass(key, rows), tokens, starts, slots)
+            block = torch.cat([tokens, self._propose(draft_logits, sampled)], dim=1)
         clock.mark()
         key = ("verify", len(row_slots), k, self._length(context + k))
         logits, features = self.graphs.run(key, self._pass(key, rows), block, starts, slots)
         self._hold_stop_tokens(logits, batch, row_of)
-        chosen = self._choose(logits, batch, row_of)
+        chosen = self._choose(logits, block, draft_logits, sampled)
         accepted = (block[:, 1:] == chosen[:, :-1]).cumprod(dim=1).sum(dim=1)
         # block[0..a] are now committed context; the bonus token's K/V comes with the next block
         self._keep_context(features, starts[:, None] + self.offsets[:k], slots, starts + accepted + 1,
@@ -334,7 +358,7 @@ class SpeculativeEngine:
 
     def _draft_pass(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, *,
                     rows: torch.Tensor | slice, length: int, k: int) -> torch.Tensor:
-        """The k tokens to verify per row: the newest token, then the drafter's first k - 1 guesses.
+        """The drafter's logits [R, k - 1, V] for the block positions after each row's newest token.
 
         The drafter always sees its whole block (its attention within the block is bidirectional, as
         trained); only the guesses to verify go through the LM head, the costly part on a large vocab."""
@@ -342,7 +366,7 @@ class SpeculativeEngine:
         embeddings = self.target.embed(torch.cat([tokens, masks], dim=1))
         positions = starts[:, None] + self.offsets
         hidden = self.drafter(embeddings, positions, self.draft_cache, slots, rows, length)
-        return torch.cat([tokens, self.target.lm_head(hidden[:, 1:k]).argmax(-1)], dim=1)
+        return self.target.lm_head(hidden[:, 1:k])
 
     def _verify_pass(self, block: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, *,
                      rows: torch.Tensor | slice, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -365,17 +389,55 @@ class SpeculativeEngine:
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         return frozenset(params.stop_token_ids) if params.ignore_eos else self.eos_token_ids.union(params.stop_token_ids)
 
-    def _choose(self, logits: torch.Tensor, batch: list[Sequence], row_of: list[int]) -> torch.Tensor:
+    def _sampled_rows(self, batch: list[Sequence], row_of: list[int], starts: torch.Tensor,
+                      k: int) -> SampledRows | None:
+        """The step's sampled rows (SampledRows); None if every sequence is greedy."""
+        sampled = [(row, seq.params) for seq, row in zip(batch, row_of) if not seq.params.greedy]
+        if not sampled:
+            return None
+        vocab = self.target.config.shape.vocab_size
+        params = RowParams.of([p for _, p in sampled], vocab, self.device)
+        rows = self._to_device([row for row, _ in sampled])
+        positions = starts[rows, None] + 1 + self.offsets[:k]
+        rejection = [p.speculative_sampling == "rejection" for _, p in sampled]
+        return SampledRows(rows, params, positions, GumbelNoise(params.seeds, positions, vocab),
+                           to_device(rejection, self.device, torch.bool) if any(rejection) else None)
+
+    def _propose(self, logits: torch.Tensor, sampled: SampledRows | None) -> torch.Tensor:
+        """The drafts [R, k - 1] from the drafter's logits: the argmax for greedy rows; for sampled rows the
+        proposal rule of sampling.propose_tokens with the noise of the positions they guess, or for
+        rejection sampling a sample of the drafter's own distribution."""
+        drafts = logits.argmax(-1)
+        if sampled is None:
+            return drafts
+        mine, params = logits[sampled.rows], sampled.params
+        drafted = mine.shape[1]
+        guesses = propose_tokens(mine, params, sampled.noise.first(drafted), self.proposal_rule.sharpness())
+        if sampled.rejection is not None:
+            own = sample_tokens(mine, params, GumbelNoise(params.seeds, sampled.positions[:, :drafted],
+                                                          mine.shape[-1], DRAFT))
+            guesses = torch.where(sampled.rejection[:, None], own, guesses)
+        drafts[sampled.rows] = guesses
+        return drafts
+
+    def _choose(self, logits: torch.Tensor, block: torch.Tensor, draft_logits: torch.Tensor | None,
+                sampled: SampledRows | None) -> torch.Tensor:
         """The target's token at each block position, [R, k] on the device: the argmax for greedy rows, for
-        the others a sample drawn there with the request's parameters and (seed, position) uniforms."""
+        the others the Gumbel-max sample with the noise of (seed, position), or rejection sampling's choice.
+        A learning proposal rule is told which rules would have guessed the samples at the first draft."""
         chosen = logits.argmax(-1)
-        sampled = [(row, seq) for seq, row in zip(batch, row_of) if not seq.params.greedy]
-        if sampled:
-            k = logits.shape[1]
-            rows = self._to_device([row for row, _ in sampled])
-            params = [seq.params for _, seq in sampled for _ in range(k)]
-            positions = [seq.last_position + 1 + t for _, seq in sampled for t in range(k)]
-            chosen[rows] = sample_tokens(logits[rows].flatten(0, 1), params, positions).view(len(sampled), k)
+        if sampled is None:
+            return chosen
+        rows, params = sampled.rows, sampled.params
+        samples = sample_tokens(logits[rows], params, sampled.noise)
+        if draft_logits is not None and self.proposal_rule.learning:
+            self.proposal_rule.observe(proposal_hits(draft_logits[rows, :1], params, sampled.noise.first(1),
+                                                     samples[:, :1]))
+        if sampled.rejection is not None and draft_logits is not None:
+            verdicts = rejection_choices(logits[rows], draft_logits[rows], block[rows, 1:], params,
+                                         sampled.positions, samples)
+            samples = torch.where(sampled.rejection[:, None], verdicts, samples)
+        chosen[rows] = samples
         return chosen
 
     def _keep_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

@@ -48,12 +48,14 @@ class Pipeline:
     target_dir: Path
 
     def engine(self, block_size: int | str | None = AUTO_BLOCK_SIZE, max_batch_size: int = 8,
-               max_context: int | None = None, step_costs: StepCosts | None = None) -> SpeculativeEngine:
+               max_context: int | None = None, step_costs: StepCosts | None = None,
+               **sampling) -> SpeculativeEngine:
+        """sampling: SpeculativeEngine's draft_sharpness and speculative_sampling, where not the defaults."""
         if max_context is None and self.preset is not None:
             max_context = self.preset.max_context
         return SpeculativeEngine(self.target, self.drafter, block_size=block_size, max_batch_size=max_batch_size,
                                  max_context=max_context, decode=self.decode if self.tokenizer else None,
-                                 step_costs=step_costs)
+                                 step_costs=step_costs, **sampling)
 
     def encode(self, text: str, chat: bool = True, allow_special_tokens: bool = False) -> list[int]:
         """Token ids of a prompt; with chat, `text` is a user message wrapped in the chat template. Special-token

@@ -1,21 +1,25 @@
 """Sampling parameters and token choice.
 
-Lossless speculative sampling without a draft distribution: the drafter proposes argmax tokens, the
-target samples every block position, and a draft token is accepted while it equals the target's sample.
-Each sample draws its uniform number from (seed, absolute position), so a request's output is the
-same with or without the drafter and for any block size: speculation only decides how many of the
-target's own samples are kept per pass.
+Lossless speculative sampling that keeps the sample: the target's token at a position is the Gumbel-max
+of its (temperature, top-k, top-p) scores with noise that depends only on (seed, position, token), made on
+the device. A request's output is therefore the same with or without the drafter and for any block size:
+speculation only decides how many of the target's own samples a pass keeps. A draft is accepted while it
+equals the target's token; the drafter guesses a sampled position with the same noise added to its own
+scores (drafter-invariant speculative sampling, Daliri, Musco & Suresh, arXiv 2408.07978), so its guess
+matches whenever both argmaxes agree, not only when the target happens to sample the drafter's argmax.
 """
 from __future__ import annotations
 
+import functools
+import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import DFlashError
+from dflash_contract.presets import check_speculative_sampling
 
-_MASK64 = (1 << 64) - 1
+from .config import DFlashError
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the target's EOS ids
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    speculative_sampling: str | None = None  # SPECULATIVE_SAMPLING; None: the engine's (the build's)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -43,60 +48,244 @@ class SamplingParams:
             raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop_strings):
             raise DFlashError("stop strings must not be empty")
+        if self.speculative_sampling is not None:
+            check_speculative_sampling(self.speculative_sampling)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def with_seed(self) -> "SamplingParams":
-        if self.greedy or self.seed is not None:
-            return self
-        return SamplingParams(**{**self.__dict__, "seed": random.getrandbits(63)})
+    @property
+    def acceptance_kind(self) -> str:
+        """What decides acceptance: "greedy", or the speculative sampling method (set by the engine)."""
+        return "greedy" if self.greedy else self.speculative_sampling
+
+    def for_engine(self, speculative_sampling: str) -> "SamplingParams":
+        """These parameters as a request runs them: a seed drawn where sampling has none, the engine's
+        speculative sampling method where the request names none."""
+        seed = self.seed if self.greedy or self.seed is not None else random.getrandbits(63)
+        return replace(self, seed=seed, speculative_sampling=self.speculative_sampling or speculative_sampling)
 
 
-def position_uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) that depends only on (seed, position): splitmix64 of both."""
-    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return (z >> 11) / float(1 << 53)
+# The proposal rules of sampled rows under "exact" (propose_tokens' sharpness), among which the engine learns
+# (ProposalRule); the default until it has seen drafts: the best on the embedded default (README).
+DRAFT_SHARPNESS_CHOICES = (0.0, 0.25, 0.5, 1.0)
+DEFAULT_DRAFT_SHARPNESS = 0.5
+PROPOSAL_MEMORY = 0.998  # per step: the hit counts fade with a horizon of ~500 steps (near rules differ by a few %)
+_MASK32 = 0xFFFFFFFF
+UNIFORM_BITS = 23  # (m + 0.5) / 2^23 is exact in float32, so no uniform rounds to 0 or 1
+# Where the Gumbel-max runs: "auto" (the Triton kernel on CUDA, eager elsewhere), "eager", or "triton" (also on a
+# CPU under TRITON_INTERPRET=1, as the tests do). Read once.
+GUMBEL_IMPLEMENTATIONS = ("auto", "eager", "triton")
+GUMBEL_IMPLEMENTATION = os.environ.get("DFLASH_GUMBEL", "auto")
+if GUMBEL_IMPLEMENTATION not in GUMBEL_IMPLEMENTATIONS:
+    raise ValueError(f"DFLASH_GUMBEL={GUMBEL_IMPLEMENTATION!r}: expected one of {', '.join(GUMBEL_IMPLEMENTATIONS)}")
 
 
-def target_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits: [N, V], row n sampled with params[n] -> probabilities after temperature, top-k and top-p, in
-    float64. Rows are independent: a row's result does not depend on the others. Which filters run is
-    decided from the host's parameters: a branch on device values would wait for the device."""
-    device, vocab = logits.device, logits.shape[-1]
-    floats = to_device([[p.temperature, p.top_p] for p in params], device, torch.float64)
-    top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
-    scores = logits.double() / floats[:, :1]
-    if any(0 < p.top_k < vocab for p in params):
-        kth = scores.sort(dim=-1, descending=True).values.gather(-1, top_k[:, None] - 1)
-        scores = scores.masked_fill(scores < kth, float("-inf"))  # top_k = vocab keeps every score
-    probs = torch.softmax(scores, dim=-1)
-    if any(p.top_p < 1 for p in params):
-        top_p = floats[:, 1:]
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2^32) (hash-prospector's two-round mixer): both
+    multipliers are below 2^31, so no int64 product overflows, on any device."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+# Noise streams: independent noise of one (seed, position) for each use. The target's samples and the drafts that
+# guess them share TARGET; rejection sampling's draws from the drafter, its acceptance tests and its resampling
+# each take their own, as its proof needs.
+TARGET, DRAFT, ACCEPT, RESIDUAL = range(4)
+
+
+def position_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int = TARGET) -> torch.Tensor:
+    """The 32-bit key [N, T] (int64) of each (seed, position, stream). seeds: [N, 2] int64, each seed's low and
+    high 32 bits; positions: [N, T]."""
+    row = _mix32(_mix32(_mix32(seeds[:, 0]) ^ seeds[:, 1]) ^ stream)[:, None]
+    return _mix32(row ^ (positions & _MASK32))
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, count: int, stream: int = TARGET) -> torch.Tensor:
+    """Uniform numbers [N, T, count] in (0, 1), float32, made on the device of `seeds`: entry (n, t, i)
+    depends only on (seeds[n], positions[n, t], i, stream). Per entry one XOR and one hash: each index's own
+    hash is made once (_index_keys), as are the keys of the positions."""
+    bits = _mix32(_index_keys(count, seeds.device) ^ position_keys(seeds, positions, stream)[..., None])
+    return ((bits >> (32 - UNIFORM_BITS)).float() + 0.5) * 2.0 ** -UNIFORM_BITS
+
+
+@functools.cache
+def _index_keys(count: int, device: torch.device) -> torch.Tensor:
+    """The hashes of 0..count-1, kept per (count, device): a vocabulary's are reused by every step."""
+    return _mix32(torch.arange(count, device=device) * 0x9E3779B1 & _MASK32)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stream: int = TARGET) -> torch.Tensor:
+    """Gumbel noise [N, T, vocab] in float32: one draw per token of (seed, position, stream), see uniforms."""
+    return -torch.log(-torch.log1p(-uniforms(seeds, positions, vocab, stream)))  # exact near both ends
+
+
+class GumbelNoise:
+    """The Gumbel noise of (seeds [N, 2], positions [N, T], stream) over a vocabulary, and argmaxes with it.
+
+    The target samples its token at a position as argmax(scores + noise), and a drafter guessing that
+    position can add the same noise to its own scores: the guess then matches whenever the two argmaxes
+    agree, while the target's token stays exactly its own sample (drafter-invariant sampling). Eager, the
+    noise is made once, at the first argmax, and shared by the others; with the Triton kernel (CUDA) each
+    argmax makes it in registers and nothing is stored (gumbel_kernel.py)."""
+
+    def __init__(self, seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stream: int = TARGET,
+                 values: torch.Tensor | None = None):
+        self.seeds, self.positions, self.vocab, self.stream = seeds, positions, vocab, stream
+        self._values = values
+
+    @property
+    def values(self) -> torch.Tensor:
+        if self._values is None:
+            self._values = gumbel_noise(self.seeds, self.positions, self.vocab, self.stream)
+        return self._values
+
+    def first(self, count: int) -> "GumbelNoise":
+        """The noise of each row's first `count` positions: eager, a view of this noise (made now if not yet)."""
+        values = None if _in_kernel(self.seeds.device) else self.values[:, :count]
+        return GumbelNoise(self.seeds, self.positions[:, :count], self.vocab, self.stream, values)
+
+    def argmax(self, scores: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """argmax(scores * scale + noise) [N, T] for scores [N, T, vocab]."""
+        if _in_kernel(scores.device):
+            from .gumbel_kernel import gumbel_argmax_triton
+
+            keys = position_keys(self.seeds, self.positions, self.stream)
+            return gumbel_argmax_triton(scores.reshape(-1, self.vocab), keys.reshape(-1), scale).view(keys.shape)
+        if scale != 1:
+            scores = scores * scale
+        return (scores + self.values).argmax(-1)
+
+
+def _in_kernel(device: torch.device) -> bool:
+    """Whether Gumbel-maxes on `device` run the Triton kernel (GUMBEL_IMPLEMENTATION)."""
+    return GUMBEL_IMPLEMENTATION == "triton" or (GUMBEL_IMPLEMENTATION == "auto" and device.type == "cuda")
+
+
+@dataclass
+class RowParams:
+    """The sampling parameters of sampled rows, on the device, and from the host which of top-k and top-p
+    any row uses: a branch on device values would wait for the device."""
+
+    temperature: torch.Tensor  # [N, 1, 1] float32
+    top_k: torch.Tensor  # [N, 1, 1] long; 0 where off
+    top_p: torch.Tensor  # [N, 1, 1] float32
+    seeds: torch.Tensor  # [N, 2] long: each seed's low and high 32 bits
+    max_top_k: int  # 0: no row uses top-k
+    all_top_k: bool  # every row uses top-k
+    uses_top_p: bool
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> "RowParams":
+        floats = to_device([[p.temperature, p.top_p] for p in params], device, torch.float32)[:, :, None, None]
+        top_k = to_device([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device)[:, None, None]
+        seeds = to_device([[p.seed & _MASK32, (p.seed >> 32) & _MASK32] for p in params], device)
+        max_top_k = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
+        return cls(floats[:, 0], top_k, floats[:, 1], seeds, max_top_k, all(0 < p.top_k < vocab for p in params),
+                   any(p.top_p < 1 for p in params))
+
+
+def sampling_scores(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """logits [N, T, V] -> float32 scores: logits / temperature, -inf outside each row's top-k and top-p.
+    Their softmax is the distribution a row samples from; rows are independent of each other."""
+    scores = logits.float() / rows.temperature
+    if rows.max_top_k:
+        top = scores.topk(rows.max_top_k, dim=-1)  # sorted, largest first
+        kth = top.values.gather(-1, (rows.top_k - 1).clamp_min(0).expand(*scores.shape[:-1], 1))
+        scores = scores.masked_fill((scores < kth) & (rows.top_k > 0), float("-inf"))
+    if rows.uses_top_p:
+        # Where every row's nucleus lies in its top-k, only those K scores are sorted, not the vocabulary. Either
+        # way a row's probabilities are the same up to rounding, as its logits are in batches of other sizes.
+        if rows.all_top_k:
+            sorted_scores, order = top.values.masked_fill(top.values < kth, float("-inf")), top.indices
+        else:
+            sorted_scores, order = scores.sort(dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_scores, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0)
-        probs = torch.where(top_p < 1, probs / probs.sum(-1, keepdim=True), probs)
-    return probs
+        drop = (sorted_probs.cumsum(-1) - sorted_probs >= rows.top_p) & (rows.top_p < 1)
+        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
+    return scores
 
 
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
-    """The target's sample at each row of logits [N, V], on their device: row n draws with params[n] the
-    uniform of (its seed, positions[n]). The parameters and uniforms go up with the rows (computed on the
-    host, copied from pinned memory), and nothing comes back."""
-    uniforms = to_device([position_uniform(p.seed, position) for p, position in zip(params, positions)],
-                         logits.device, torch.float64)
-    probs = target_probabilities(logits, params)
-    cdf = probs.cumsum(-1)
-    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    # u * total < total, so the index is in range unless rounding pushes it past the last nonzero
-    return tokens.clamp_max(probs.shape[-1] - 1)
+def sample_tokens(logits: torch.Tensor, rows: RowParams, noise: GumbelNoise) -> torch.Tensor:
+    """The samples [N, T] for logits [N, T, V]: the Gumbel-max of each row's sampling scores with the noise of
+    its seed at its positions. All on the device."""
+    return noise.argmax(sampling_scores(logits, rows))
+
+
+def propose_tokens(logits: torch.Tensor, rows: RowParams, noise: GumbelNoise, sharpness: float) -> torch.Tensor:
+    """The drafter's guesses [N, T] for sampled positions from its logits [N, T, V]: the Gumbel-max of its
+    own sampling scores over `sharpness`, with the noise the target's samples there use. sharpness 1
+    couples the two samples (best where both distributions are flat and close); towards 0 it becomes the
+    drafter's argmax, which wins where the target is sure and the drafter is not."""
+    return _guess(logits, None if sharpness == 0 else sampling_scores(logits, rows), noise, sharpness)
+
+
+def _guess(logits: torch.Tensor, scores: torch.Tensor | None, noise: GumbelNoise, sharpness: float) -> torch.Tensor:
+    return logits.argmax(-1) if sharpness == 0 else noise.argmax(scores, 1 / sharpness)
+
+
+def proposal_hits(logits: torch.Tensor, rows: RowParams, noise: GumbelNoise, samples: torch.Tensor) -> torch.Tensor:
+    """How many of the target's samples [N, T] each rule of DRAFT_SHARPNESS_CHOICES would have guessed from
+    the drafter's logits [N, T, V] and the noise there: [C] on the device."""
+    scores = sampling_scores(logits, rows)
+    return torch.stack([(_guess(logits, scores, noise, s) == samples).sum() for s in DRAFT_SHARPNESS_CHOICES])
+
+
+class ProposalRule:
+    """The sharpness of exact sampling's drafts: a fixed one, or learned. Which rule guesses best depends on
+    the pair (on the embedded default 0.5, on a pair whose distributions are flat and close 1: README), so
+    each step judges every rule of DRAFT_SHARPNESS_CHOICES on its sampled rows' first draft position, which
+    every step verifies whatever was drafted there (proposal_hits), and drafts use the rule with the most
+    hits over recent steps. The output never depends on it."""
+
+    def __init__(self, fixed: float | None = None):
+        if fixed is not None and not fixed >= 0:
+            raise DFlashError(f"draft_sharpness must be >= 0, got {fixed}")
+        self.fixed = fixed
+        # half a hit ahead: the default until a rule guesses better
+        self.hits = {s: 0.5 * (s == DEFAULT_DRAFT_SHARPNESS) for s in DRAFT_SHARPNESS_CHOICES}
+        self.pending: list[torch.Tensor] = []  # device counts, read at the next choice: no wait for the device
+
+    @property
+    def learning(self) -> bool:
+        return self.fixed is None
+
+    def observe(self, hits: torch.Tensor) -> None:
+        self.pending.append(hits)
+
+    def sharpness(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        for hits in self.pending:
+            for s, n in zip(DRAFT_SHARPNESS_CHOICES, hits.tolist()):
+                self.hits[s] = self.hits[s] * PROPOSAL_MEMORY + n
+        self.pending.clear()
+        return max(self.hits, key=self.hits.get)
+
+
+def rejection_choices(logits: torch.Tensor, draft_logits: torch.Tensor, drafts: torch.Tensor, rows: RowParams,
+                      positions: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+    """Speculative rejection sampling (min(1, p/q), then a draw from max(0, p - q)), the target's choices
+    [N, k] for a block whose drafts [N, k - 1] were sampled from the drafter's distributions q (logits
+    [N, k - 1, V]); logits [N, k, V] are the target's, positions [N, k] theirs, samples [N, k] the
+    target's own Gumbel-max samples (the last position's choice, and the fallback where p - q rounds to
+    nothing). A draft is kept iff its choice equals it: a rejected draft has p < q, so the residual never
+    draws it. The output follows the target's distribution, but which sample a request gets depends on the
+    drafter and the block size."""
+    draw = positions[:, :-1]
+    p = torch.softmax(sampling_scores(logits[:, :-1], rows), dim=-1)
+    q = torch.softmax(sampling_scores(draft_logits, rows), dim=-1)
+    p_draft, q_draft = (probs.gather(-1, drafts[..., None])[..., 0] for probs in (p, q))
+    accepted = uniforms(rows.seeds, draw, 1, ACCEPT)[..., 0] * q_draft < p_draft
+    residual = (p - q).clamp_min(0)
+    resampled = GumbelNoise(rows.seeds, draw, residual.shape[-1], RESIDUAL).argmax(residual.log())
+    resampled = torch.where(residual.sum(-1) > 0, resampled, samples[:, :-1])
+    return torch.cat([torch.where(accepted, drafts, resampled), samples[:, -1:]], dim=1)
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, first_position: int) -> list[int]:
@@ -104,8 +293,9 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, first_position: 
     token at absolute position first_position + t."""
     if params.greedy:
         return logits.argmax(-1).tolist()
-    positions = list(range(first_position, first_position + len(logits)))
-    return sample_tokens(logits, [params] * len(logits), positions).tolist()
+    rows = RowParams.of([params], logits.shape[-1], logits.device)
+    positions = torch.arange(first_position, first_position + len(logits), device=logits.device)[None]
+    return sample_tokens(logits[None], rows, GumbelNoise(rows.seeds, positions, logits.shape[-1]))[0].tolist()
 
 
 def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

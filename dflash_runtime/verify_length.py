@@ -7,7 +7,8 @@ the drafter (plain decoding). Output is the target's own either way, so k may ch
   engine starts gives every (B, k) a figure; each step's own timing then corrects its (B, k) entry.
 - Acceptance: p_j, the chance that draft j is accepted given drafts 1..j-1 were. DFlash's p_j falls
   along the block, so it is kept per position: counted over recent steps of all requests (older
-  counts fade), apart for greedy and sampled requests (sampling accepts far less), and per request,
+  counts fade), apart for greedy requests and for each speculative sampling method (sampling accepts
+  less, and the methods differ), and per request,
   shrunk towards the global figure until the request has data.
   Expected tokens of one sequence at length k: 1 + sum_{i < k} prod_{j <= i} p_j.
 - Exploration: a step at length k only observes positions < k. To keep the estimates of longer
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import platform
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -126,16 +128,18 @@ class VerifyLengthPolicy:
     def __init__(self, block_size: int, costs: StepCosts):
         self.lengths = doubling(block_size)
         self.costs = costs
-        self.acceptance = {greedy: AcceptanceModel(block_size - 1) for greedy in (True, False)}
+        # acceptance kind ("greedy", or a speculative sampling method) -> its model, made when first seen
+        self.acceptance = defaultdict(lambda: AcceptanceModel(block_size - 1))
         self.explore_credit = 0.0  # seconds of exploration saved up
 
     def best(self, batch_size: int, expected: list[dict[int, float]]) -> int:
         """argmax_k (sum of the batch's expected tokens) / step seconds."""
         return max(self.lengths, key=lambda k: sum(e[k] for e in expected) / self.costs.seconds(batch_size, k))
 
-    def expected(self, greedy: bool, stats, remaining: int) -> dict[int, float]:
-        """One sequence's expected tokens per length from its SamplingStats and the global estimate."""
-        rates = self.acceptance[greedy].rates(stats.accepted_by_position, stats.reached_by_position)
+    def expected(self, kind: str, stats, remaining: int) -> dict[int, float]:
+        """One sequence's expected tokens per length from its SamplingStats and the global estimate of its
+        acceptance kind (SamplingParams.acceptance_kind)."""
+        rates = self.acceptance[kind].rates(stats.accepted_by_position, stats.reached_by_position)
         return expected_tokens(rates, self.lengths, remaining)
 
     def choose(self, expected: list[dict[int, float]]) -> int:

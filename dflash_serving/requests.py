@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 
 from dflash_contract import DFlashError
+from dflash_contract.presets import check_speculative_sampling
 from dflash_contract.protocol import (ALIASES, FIXED_INPUTS, FRONT_INPUTS, PROMPT_INPUTS, REQUIRED_INPUTS,
                                       parameters_error, parse_messages, prompt_size_error, range_error,
                                       stop_words_error)
@@ -45,6 +46,7 @@ def parse_front_request(tensor: TensorGetter, parameters: str = "{}") -> tuple[s
     check_fixed(tensor)
     aliased(tensor, "seed")
     aliased(tensor, "min_tokens")
+    speculative_sampling(tensor)
     check_words(tensor)
     if given == ["messages"]:
         return parse_messages(text), True
@@ -75,6 +77,7 @@ def parse_engine_request(tensor: TensorGetter, max_context: int) -> tuple[list[i
         top_k=int(scalar(tensor, "top_k", 0)),
         top_p=float(scalar(tensor, "top_p", 1.0)),
         seed=aliased(tensor, "seed"),
+        speculative_sampling=speculative_sampling(tensor),
         # end_id replaces the model's end-of-sequence ids, as in TensorRT-LLM
         stop_token_ids=(int(end_id),) if end_id is not None else (),
         ignore_eos=end_id is not None,
@@ -143,6 +146,12 @@ def scalar(tensor: TensorGetter, name: str, default=None):
     if value.size != 1:
         raise DFlashError(f"{name} must hold one value per request, got shape {list(value.shape)}")
     return value.item()
+
+
+def speculative_sampling(tensor: TensorGetter) -> str | None:
+    """The method a request names (presets.SPECULATIVE_SAMPLING), None for the build's; an unknown one is refused."""
+    value = scalar(tensor, "speculative_sampling")
+    return None if value is None else check_speculative_sampling(utf8("speculative_sampling", value))
 
 
 def strings(tensor: TensorGetter, name: str) -> list[str]:

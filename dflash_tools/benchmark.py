@@ -1,13 +1,19 @@
 """dflash-bench: speed and acceptance of DFlash against autoregressive decoding, side by side.
 
-For each prompt set, every prompt runs through (a) transformers `generate` (unless --no-hf), (b) this
-runtime's autoregressive mode and (c) DFlash at each --block-size ("auto" and/or fixed sizes),
+For each prompt set and --temperature, every prompt runs through (a) transformers `generate` (unless
+--no-hf; greedy runs only), (b) this runtime's autoregressive mode and (c) DFlash modes: each
+--block-size ("auto" and/or fixed sizes) with each --speculative-sampling method and --draft-sharpness,
 interleaved prompt by prompt in one process so machine noise hits all modes alike: the ratios are the
-result. Reports per set: tokens/s; per DFlash mode its speedup over autoregressive, the mean
-acceptance length tau (tokens per verify step), the per-position acceptance curve (how often draft j
-was accepted when the drafts before it were), how many steps verified each length, and the
-draft-to-verify time ratio; and whether all outputs were token-identical. Writes JSON and, with
---plot, a PNG.
+result. Reports per set and temperature: tokens/s; per DFlash mode its speedup over autoregressive, the
+mean acceptance length tau (tokens per verify step), the per-position acceptance curve (how often draft
+j was accepted when the drafts before it were), how many steps verified each length, and the
+draft-to-verify time ratio; and whether all outputs were token-identical (sampled runs too: exact
+sampling keeps the target's own sample; rejection sampling's outputs are left out of that check).
+Writes JSON and, with --plot, a PNG.
+
+Example, the drafts' survival under sampling:
+  dflash-bench --prompts chat humaneval sharegpt --block-size 8 --temperature 0 0.7 1 --no-hf \
+      --speculative-sampling exact rejection --draft-sharpness auto 0 0.5 1
 """
 from __future__ import annotations
 
@@ -16,12 +22,14 @@ import json
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
 from dflash_contract import DFlashError
-from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, block_size_argument
-from dflash_runtime.sampling import SamplingParams, SamplingStats
+from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_PRESET, DEFAULT_SPECULATIVE_SAMPLING,
+                                     SPECULATIVE_SAMPLING, block_size_argument)
+from dflash_runtime.sampling import DRAFT_SHARPNESS_CHOICES, SamplingParams, SamplingStats
 
 from .prompts import prompt_set
 
@@ -51,15 +59,21 @@ def _run_to_end(engine, seq) -> list[int]:
     return seq.output_ids
 
 
-def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], max_new_tokens: int, label: str) -> dict:
-    """dflash: block-size label ("auto", "8", ...) -> engine; every prompt runs through every mode."""
-    params = SamplingParams(max_new_tokens=max_new_tokens)
+def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], max_new_tokens: int, label: str,
+            sampling: SamplingParams | None = None) -> dict:
+    """dflash: mode label ("auto", "8", "8 rejection", ...) -> engine; every prompt runs through every mode.
+    sampling: temperature, top-k, top-p and seed for every mode (greedy if None); prompt n samples with seed
+    + n. Token identity is checked between the modes whose sample cannot depend on the drafter (not
+    rejection sampling; transformers only when greedy)."""
+    sampling = sampling or SamplingParams()
+    hf = hf if sampling.greedy else None
     eos = list(pipe.target.config.eos_token_ids)
     modes = {"autoregressive": Mode(), **{f"dflash {b}": Mode() for b in dflash}}
     if hf is not None:
         modes["hf_generate"] = Mode()
     stats, identical = {b: SamplingStats() for b in dflash}, 0
     for n, ids in enumerate(prompts, 1):
+        params = replace(sampling, max_new_tokens=max_new_tokens, seed=None if sampling.greedy else sampling.seed + n)
         outputs = []
         if hf is not None:
             outputs.append(modes["hf_generate"].timed(lambda: hf.generate(
@@ -69,7 +83,9 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
         taus = []
         for b, engine in dflash.items():
             seq = engine.add_request(ids, params)
-            outputs.append(modes[f"dflash {b}"].timed(lambda: _run_to_end(engine, seq)))
+            output = modes[f"dflash {b}"].timed(lambda: _run_to_end(engine, seq))
+            if params.greedy or engine.speculative_sampling != "rejection":
+                outputs.append(output)
             stats[b].merge(seq.stats)
             tau = seq.stats.mean_acceptance_length
             taus.append(f"tau[{b}] {'none' if tau is None else f'{tau:.2f}'}")
@@ -83,6 +99,9 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
         "tokens_per_second": {m: round(r, 2) for m, r in rate.items()},
         "dflash": {b: {"speedup_vs_autoregressive": round(rate[f"dflash {b}"] / rate["autoregressive"], 3),
                        **speculation_summary(stats[b])} for b in dflash},
+        # the rule a learning engine drafts with after the set (it learns across sets, as a server would)
+        "draft_sharpness": {b: e.proposal_rule.sharpness() for b, e in dflash.items()
+                            if not sampling.greedy and e.speculative_sampling == "exact"},
         "token_identical_prompts": f"{identical}/{len(prompts)}",
     }
     if hf is not None:
@@ -112,7 +131,6 @@ def projections(pipe) -> str:
 def run(args) -> dict:
     from dflash_runtime.pipeline import load_pipeline
 
-    sizes = list(dict.fromkeys(args.block_size))
     torch.manual_seed(0)
     pipe = load_pipeline(args.target, args.drafter, args.dtype, args.device)
     if pipe.drafter is None:
@@ -125,23 +143,66 @@ def run(args) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(pipe.target_dir, dtype=pipe.target.dtype).eval()
         hf = hf.to(pipe.target.device)
     autoregressive = pipe.engine(block_size=1, max_batch_size=1)
-    dflash = {str(b): pipe.engine(block_size=b, max_batch_size=1) for b in sizes}
+    dflash = {label: pipe.engine(block_size=b, max_batch_size=1, **sampling) for label, b, sampling in modes(args)}
     sets = {name: [pipe.encode(p) for p in prompt_set(name, args.num_prompts)] for name in args.prompts}
+    results = {}
     with torch.inference_mode():
         warm = next(iter(sets.values()))[:1]  # first-call allocations stay out of the numbers
         measure(pipe, hf, autoregressive, dflash, warm, 4, "warm-up")
-        results = {name: measure(pipe, hf, autoregressive, dflash, prompts, args.max_new_tokens, name)
-                   for name, prompts in sets.items()}
+        for temperature in args.temperature:
+            sampling = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed) \
+                if temperature > 0 else None
+            for name, prompts in sets.items():
+                label = name if sampling is None else f"{name} T={temperature:g}"
+                results[label] = measure(pipe, hf, autoregressive, dflash, prompts, args.max_new_tokens, label,
+                                         sampling)
     # every autoregressive token streams all weights once: the figure to hold against memory bandwidth
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pipe.target.parameters()}
     ar_rate = sum(r["tokens_per_second"]["autoregressive"] for r in results.values()) / len(results)
     return {
-        "target": str(pipe.target_dir), "drafter": args.drafter, "block_sizes": list(dflash),
-        "drafter_block_size": pipe.drafter.config.block_size,
+        "target": str(pipe.target_dir), "drafter": args.drafter,
+        "block_sizes": [str(b) for b in dict.fromkeys(args.block_size)],
+        "modes": list(dflash), "drafter_block_size": pipe.drafter.config.block_size,
         "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(), "projections": projections(pipe),
+        "sampling": {"top_k": args.top_k, "top_p": args.top_p, "seed": args.seed},
         "autoregressive_weight_GBps": round(sum(storages.values()) * ar_rate / 1e9, 2),
         "prompt_sets": results,
     }
+
+
+AUTO_SHARPNESS = "auto"
+
+
+def sharpness_argument(text: str) -> str:
+    """--draft-sharpness: "auto" or a number >= 0, kept as written (it labels the mode)."""
+    if text == AUTO_SHARPNESS:
+        return text
+    try:
+        ok = float(text) >= 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"a draft sharpness is auto or a number >= 0, got {text!r}")
+    return text
+
+
+def modes(args) -> list[tuple[str, int | str, dict]]:
+    """(label, block size, engine sampling options) per DFlash mode: every block size with every speculative
+    sampling method, and for "exact" every draft sharpness. A label names only what varies."""
+    result = []
+    for block_size in dict.fromkeys(args.block_size):
+        for method in dict.fromkeys(args.speculative_sampling):
+            for sharpness in dict.fromkeys(args.draft_sharpness) if method == "exact" else [None]:
+                label = str(block_size)
+                if len(args.speculative_sampling) > 1:
+                    label += f" {method}"
+                if sharpness is not None and len(args.draft_sharpness) > 1:
+                    label += f" sharpness {sharpness}"
+                options = {"speculative_sampling": method}
+                if sharpness not in (None, AUTO_SHARPNESS):
+                    options["draft_sharpness"] = float(sharpness)
+                result.append((label, block_size, options))
+    return result
 
 
 def plot(summary: dict, path: str) -> None:
@@ -152,21 +213,24 @@ def plot(summary: dict, path: str) -> None:
 
     sets = summary["prompt_sets"]
     fig, (curve, bars) = plt.subplots(1, 2, figsize=(11, 4))
-    longest = max(summary["block_sizes"], key=lambda b: summary["drafter_block_size"] if b == AUTO_BLOCK_SIZE
-                  else int(b))
+    def block(mode: str) -> int:
+        size = mode.split()[0]
+        return summary["drafter_block_size"] if size == AUTO_BLOCK_SIZE else int(size)
+
+    longest = max(summary["modes"], key=block)  # the first mode of the longest block
     for name, r in sets.items():
         acc = r["dflash"][longest]["acceptance_by_position"]
         curve.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
     curve.set(xlabel="block position j", ylabel="P(draft j accepted | drafts before it were)", ylim=(0, 1),
-              title=f"acceptance by position (block {longest})")
+              title=f"acceptance by position ({longest})")
     curve.legend()
-    names = [(name, b) for name in sets for b in summary["block_sizes"]]
+    names = [(name, b) for name in sets for b in summary["modes"]]
     taus = [sets[name]["dflash"][b]["mean_acceptance_length"] or 0 for name, b in names]  # 0: no verify step
     bars.bar([f"{name}\n{b}" for name, b in names], taus)
     for i, (name, b) in enumerate(names):
         bars.text(i, taus[i], f"{sets[name]['dflash'][b]['speedup_vs_autoregressive']:.2f}x", ha="center", va="bottom")
     bars.set(ylabel="mean acceptance length tau",
-             title="tau by prompt set and block size (label: speedup vs autoregressive)")
+             title="tau by prompt set and mode (label: speedup vs autoregressive)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -177,13 +241,29 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default=DEFAULT_PRESET, help="preset name or checkpoint directory")
     parser.add_argument("--drafter", default="preset", help="drafter directory (default: the preset's)")
     parser.add_argument("--prompts", nargs="+", default=["chat"],
-                        help="prompt sets: chat, humaneval, sharegpt (held-out split), or .jsonl files")
+                        help="prompt sets: chat, humaneval, sharegpt (held-out split), mtbench, math500, or .jsonl "
+                             "files")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set (default: 4)")
     parser.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=128,
                         help="tokens per answer at most (default: 128)")
     parser.add_argument("--block-size", nargs="+", default=[AUTO_BLOCK_SIZE], type=block_size_argument,
                         help=f"one or more: {AUTO_BLOCK_SIZE!r} (each step picks its verify length; the default) or "
                              "a fixed block size; each runs as a mode of its own, beside the others")
+    parser.add_argument("--temperature", nargs="+", type=float, default=[0.0],
+                        help="one or more temperatures, each a run of every prompt set and mode (default: 0, greedy; "
+                             "sampled runs seed prompt n with --seed + n)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="top-p of sampled runs (default: 0.95)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k of sampled runs (default: 0, off)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of sampled runs (default: 0)")
+    parser.add_argument("--speculative-sampling", nargs="+", default=[DEFAULT_SPECULATIVE_SAMPLING],
+                        choices=SPECULATIVE_SAMPLING,
+                        help="how sampled runs verify drafts, one mode each: exact (the target's own sample, the "
+                             "default) and/or rejection (min(1, p/q): the same distribution, another sample)")
+    parser.add_argument("--draft-sharpness", nargs="+", type=sharpness_argument, default=[AUTO_SHARPNESS],
+                        help="how exact sampling drafts, one mode each: 1 couples the drafter's sample to the "
+                             "target's noise, 0 drafts the drafter's argmax, between: sharper couplings; auto "
+                             "(default): the engine learns which of "
+                             f"{', '.join(f'{c:g}' for c in DRAFT_SHARPNESS_CHOICES)} guesses best")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto (default): bfloat16 on CUDA, float32 on a CPU")

@@ -8,7 +8,8 @@ import time
 
 from dflash_contract import DFlashError
 from dflash_contract.cli import ArgumentParser
-from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_PRESET, block_size_argument, preset_table
+from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_PRESET, SPECULATIVE_SAMPLING, block_size_argument,
+                                     preset_table)
 from dflash_runtime.sampling import SamplingParams
 
 
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop string (repeatable): generation ends at the token that completes it, and the "
                              "text keeps that token (as the server does)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    parser.add_argument("--speculative-sampling", choices=SPECULATIVE_SAMPLING,
+                        help="how sampling verifies drafts: exact (default; the same output as block size 1) or "
+                             "rejection (min(1, p/q): the same distribution, another sample)")
     parser.add_argument("--max-context", type=int, help="context limit in tokens (default: the preset's, else 2048)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto (default): bfloat16 on CUDA, float32 on a CPU")
@@ -83,7 +87,7 @@ def request_ids(pipe, args: argparse.Namespace) -> list[int]:
 def run(args: argparse.Namespace) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, speculative_sampling=args.speculative_sampling)
     from dflash_runtime.pipeline import load_pipeline
 
     drafter = None if args.drafter == "none" or args.block_size == 1 else args.drafter

@@ -8,7 +8,10 @@ that makes every step read ~2,048 keys), side by side in one process: transforme
 token, this engine's autoregressive step, and its draft + verify step at block 8 and 16 (CUDA graphs
 on, as served). Printed as one table, with the bandwidth floor of an autoregressive step (weight bytes,
 plus at long context the K/V it reads, over the measured device copy bandwidth), verify/AR,
-draft/verify and the tokens/s a step time gives at acceptance lengths tau = 1, 3, 6; then which SDPA
+draft/verify, the Gumbel-max of a block's positions over the vocabulary per verify (n/v: the noise and its
+argmax, the Triton kernel on CUDA) and a whole sampled choice per verify (s/v: temperature, top-k, top-p,
+the Gumbel-max; greedy steps do neither), and
+the tokens/s a step time gives at acceptance lengths tau = 1, 3, 6; then which SDPA
 backend each kind of attention ran on, and the CUDA graphs each engine captured when it started. It
 needs no checkpoint, no network and no package beyond torch and transformers, so it runs on a bare
 lent machine.
@@ -29,7 +32,7 @@ from dflash_runtime.config import DrafterConfig, TargetConfig
 from dflash_runtime.drafter import DFlashDrafter
 from dflash_runtime.engine import SpeculativeEngine, cache_capacity
 from dflash_runtime.layers import AttentionMask, prepare_for_inference
-from dflash_runtime.sampling import SamplingParams
+from dflash_runtime.sampling import GumbelNoise, RowParams, SamplingParams, sample_tokens
 from dflash_runtime.target import TargetModel
 
 # HF config fields of each target shape, and its drafter's (layers, target_layer_ids): z-lab's for Qwen3-8B
@@ -174,6 +177,26 @@ def timed_engine(target, drafter, block: int, batch: int, steps: int, context: s
     return seconds, graphs
 
 
+def sampling_seconds(vocab: int, batch: int, block: int, steps: int, device: torch.device) -> tuple[float, float]:
+    """Median seconds of the Gumbel-max (noise and argmax) of batch x block positions over the vocabulary, and
+    of a whole sampled choice there (temperature 1, top-k 50, top-p 0.95, the Gumbel-max) on random logits."""
+    rows = RowParams.of([SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=n) for n in range(batch)], vocab,
+                        device)
+    positions = torch.arange(block, device=device).expand(batch, block) + PROMPT_TOKENS
+    logits = torch.randn(batch, block, vocab, device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
+    scores = logits.float()
+    timings = {"noise": [], "sample": []}
+    for _ in range(steps + 3):
+        for name, run in (("noise", lambda: GumbelNoise(rows.seeds, positions, vocab).argmax(scores)),
+                          ("sample", lambda: sample_tokens(logits, rows, GumbelNoise(rows.seeds, positions, vocab)))):
+            sync(device)
+            start = time.perf_counter()
+            run()
+            sync(device)
+            timings[name].append(time.perf_counter() - start)
+    return tuple(sorted(values[3:])[steps // 2] for values in timings.values())
+
+
 def kv_bytes_per_token(target) -> int:
     s = target.config.shape
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * target.dtype.itemsize
@@ -200,6 +223,10 @@ def measure_shape(name: str, batch: int, context: str, steps: int, bandwidth: fl
                                 "verify_ms": round(verify_s * 1e3, 3), "verify_vs_ar": round(verify_s / ar_s, 2),
                                 "draft_vs_verify": round(draft_s / verify_s, 3),
                                 "tokens_per_second": {tau: round(batch * tau / step_s, 1) for tau in (1, 3, 6)}}
+        noise_s, sample_s = sampling_seconds(target.config.shape.vocab_size, batch, block, steps, target.device)
+        row[f"block{block}"].update({"noise_ms": round(noise_s * 1e3, 3), "sample_ms": round(sample_s * 1e3, 3),
+                                     "noise_vs_verify": round(noise_s / verify_s, 3),
+                                     "sample_vs_verify": round(sample_s / verify_s, 3)})
     row["sdpa_backends"] = {kind: sorted(names) for kind, names in sorted(backends.items())}
     row["cuda_graphs"] = graphs
     return row
@@ -207,8 +234,8 @@ def measure_shape(name: str, batch: int, context: str, steps: int, bandwidth: fl
 
 def table(rows: list[dict]) -> str:
     head = (f"{'shape':13s} {'B':>3s} {'keys':>5s} {'hf ms/tok':>9s} {'AR ms':>7s} {'floor':>6s} {'AR/fl':>5s} "
-            f"{'AR/hf':>6s} " + " ".join(f"{f'v{b}/AR':>6s} {f'd/v{b}':>6s} {f'tok/s@tau1,3,6 (b{b})':>24s}"
-                                         for b in BLOCKS))
+            f"{'AR/hf':>6s} " + " ".join(f"{f'v{b}/AR':>6s} {f'd/v{b}':>6s} {f'n/v{b}':>6s} {f's/v{b}':>6s} "
+                                         f"{f'tok/s@tau1,3,6 (b{b})':>24s}" for b in BLOCKS))
     lines = [head]
     for r in rows:
         cells = [f"{r['shape']:13s} {r['batch']:3d} {r['keys']:5d} {r['hf_generate_ms_per_token']:9.2f} "
@@ -217,7 +244,8 @@ def table(rows: list[dict]) -> str:
         for b in BLOCKS:
             s = r[f"block{b}"]
             rates = "/".join(f"{v:.0f}" for v in s["tokens_per_second"].values())
-            cells.append(f"{s['verify_vs_ar']:6.2f} {s['draft_vs_verify']:6.3f} {rates:>24s}")
+            cells.append(f"{s['verify_vs_ar']:6.2f} {s['draft_vs_verify']:6.3f} {s['noise_vs_verify']:6.3f} "
+                         f"{s['sample_vs_verify']:6.3f} {rates:>24s}")
         lines.append(" ".join(cells))
     lines.append("")
     lines.append(f"{'shape':13s} {'B':>3s} {'keys':>5s}  SDPA backend by attention; "

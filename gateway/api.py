@@ -39,9 +39,10 @@ NEUTRAL = {
 # Fields that change nothing the engine computes: an end-user id, request tags
 # (parallel_tool_calls only matters with tools, which are refused)
 INERT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
-# The sampling fields both endpoints take; top_k, min_tokens and ignore_eos are vLLM's and SGLang's extra-body names
+# The sampling fields both endpoints take; top_k, min_tokens and ignore_eos are vLLM's and SGLang's extra-body names,
+# speculative_sampling ours (dflash_contract.presets.SPECULATIVE_SAMPLING)
 SAMPLING = ("model", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "top_k", "min_tokens",
-            "ignore_eos")
+            "ignore_eos", "speculative_sampling")
 CHAT_FIELDS = frozenset((*SAMPLING, "messages", "max_completion_tokens", "max_tokens", "n", "presence_penalty",
                          "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
                          "functions", "function_call", "response_format", *INERT))
@@ -161,9 +162,10 @@ def _translated(body: dict, prompt: dict, max_tokens: object, default_max_tokens
         raise invalid("ignore_eos must be true or false", "ignore_eos")
     try:  # end_id -1 replaces the end-of-sequence ids by one that never comes
         params = GenerationParams(stop=tuple(s for s in stop if s), end_id=-1 if ignore_eos else None,
-                                  clip_max_tokens=max_tokens is None, **values)
+                                  clip_max_tokens=max_tokens is None,
+                                  speculative_sampling=body.get("speculative_sampling"), **values)
     except InvalidRequest as e:  # the server's rules (ranges, limits), checked by the clients' GenerationParams
-        name = next((n for n in (*values, "stop") if str(e).startswith(n)), None)
+        name = next((n for n in (*values, "stop", "speculative_sampling") if str(e).startswith(n)), None)
         message = str(e) if name is None else _name(name, max_tokens_name) + str(e)[len(name):]
         raise invalid(message, name and _name(name, max_tokens_name)) from None
     # streamed from the server either way: each response is where a client's disconnect is noticed
@@ -178,6 +180,7 @@ def _name(name: str, max_tokens_name: str) -> str:
 # The front model's input names that a refusal starts with -> the request field they came from
 SERVER_FIELDS = {"messages": "messages", "text_input": "prompt", "stop_words": "stop", "temperature": "temperature",
                  "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_tokens": "min_tokens",
+                 "speculative_sampling": "speculative_sampling",
                  "end_id": "ignore_eos"}  # end_id: what ignore_eos becomes (_translated)
 
 

@@ -40,6 +40,7 @@ def test_default_build_is_complete_and_reused(default_build, capsys):
     dflash = parse_model_config(default_build / "model_repository" / "dflash" / "config.pbtxt")
     assert dflash.parameters["drafter_dir"].string_value == "../drafter"  # relative: the build can move
     assert dflash.parameters["block_size"].string_value == "auto"
+    assert dflash.parameters["speculative_sampling"].string_value == "exact"
     assert dflash.parameters["verify_profile"].string_value == ""  # no sanity run: the server profiles itself
     again = build(BuildOptions(target="smollm2-135m", drafter="preset", max_batch_size=8, sanity_tokens=0),
                   default_build)
@@ -244,6 +245,8 @@ def test_check_passes_flags_a_gpu_cluster_would_run(no_checkpoints_or_devices, t
     (["--pipeline-parallel-size", "0", "--runtime", "trtllm", "--gpu", "h100"],
      "--pipeline-parallel-size must be >= 1, got 0"),
     (["--train-drafter=--no-such-option"], "bad arguments for dflash-train-drafter"),
+    (["--runtime", "trtllm", "--gpu", "h100", "--speculative-sampling", "rejection"],
+     "--speculative-sampling rejection is for --runtime torch"),
 ])
 def test_check_refuses_what_the_flags_rule_out(argv, message, no_checkpoints_or_devices, capsys):
     assert main([*argv, "--check"]) == 2

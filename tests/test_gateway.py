@@ -168,6 +168,15 @@ def test_the_same_seed_gives_the_same_sample(client):
                                           max_tokens=8, extra_body={"top_k": 1})
     greedy = client.chat.completions.create(model=MODEL, messages=CONVERSATION[1:2], temperature=0, max_tokens=8)
     assert top1.choices[0].message.content == greedy.choices[0].message.content
+    # speculative_sampling (extra body): "exact" is the build's default; rejection sampling's sample is its own (it
+    # depends on the drafts and, under this build's adaptive verify length, on the lengths verified: not repeatable)
+    def with_method(seed, method):
+        return client.chat.completions.create(model=MODEL, messages=CONVERSATION[1:2], temperature=0.9, top_p=0.95,
+                                              seed=seed, max_tokens=16,
+                                              extra_body={"speculative_sampling": method}).choices[0].message.content
+
+    assert with_method(7, "exact") == first
+    assert any(with_method(seed, "rejection") != with_method(seed, "exact") for seed in (7, 8, 9))
 
 
 BAD_REQUESTS = {  # request fields -> (exception class, param the error names)
@@ -181,6 +190,8 @@ BAD_REQUESTS = {  # request fields -> (exception class, param the error names)
     "presence penalty": (dict(presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
     "json mode": (dict(response_format={"type": "json_object"}), openai.BadRequestError, "response_format"),
     "logit bias": (dict(logit_bias={"1": 5}), openai.BadRequestError, "logit_bias"),
+    "unknown speculative sampling": (dict(temperature=1, extra_body={"speculative_sampling": "typical"}),
+                                     openai.BadRequestError, "speculative_sampling"),
     "max tokens 0": (dict(max_completion_tokens=0), openai.BadRequestError, "max_completion_tokens"),
     "negative temperature": (dict(temperature=-1), openai.BadRequestError, "temperature"),
     "top_p 2": (dict(top_p=2), openai.BadRequestError, "top_p"),

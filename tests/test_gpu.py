@@ -33,6 +33,22 @@ def test_triton_kernel_on_the_gpu_matches_the_reference(shape, dtype, tolerance)
         assert ((ours.cpu().float() - ref.float()).abs().max() / ref.float().abs().max()).item() <= tolerance
 
 
+def test_gumbel_kernel_on_the_gpu_takes_the_cpu_argmax():
+    """The Gumbel-max kernel on CUDA picks the token the eager path picks on the CPU, over a Qwen3-sized
+    vocabulary (an ulp of difference in the logs could move only a near-tie, unlikely in 64 random rows)."""
+    from dflash_runtime.gumbel_kernel import gumbel_argmax_triton
+    from dflash_runtime.sampling import GumbelNoise, position_keys
+
+    torch.manual_seed(0)
+    rows, vocab = 64, 151936
+    scores = torch.randn(rows, 1, vocab) * 3
+    seeds = torch.randint(0, 2 ** 32, (rows, 2))
+    positions = torch.arange(rows)[:, None] + 500
+    eager = GumbelNoise(seeds, positions, vocab).argmax(scores, 2.0)[:, 0]
+    kernel = gumbel_argmax_triton(scores[:, 0].cuda(), position_keys(seeds, positions).cuda()[:, 0], 2.0)
+    assert torch.equal(kernel.cpu(), eager)
+
+
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_engine_on_cuda_is_lossless(tiny, batch_size):
     """DFlash on the GPU (CUDA graphs, KV injection through the Triton kernel) = autoregressive decoding on

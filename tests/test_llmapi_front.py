@@ -94,7 +94,8 @@ def test_the_grpc_client_finds_the_llmapi_model_and_streams_deltas(llmapi_server
         assert streamed.stats.draft_tokens > 0 and 0 <= streamed.stats.acceptance_rate <= 1
         assert whole.stats.prompt_tokens == 0  # the LLM-API model counts nothing; the gateway does
         # what the LLM-API model has no input for is refused, never dropped; so is a conversation without a template
-        for params, name in ((GenerationParams(min_tokens=2), "min_tokens"), (GenerationParams(end_id=2), "end_id")):
+        for params, name in ((GenerationParams(min_tokens=2), "min_tokens"), (GenerationParams(end_id=2), "end_id"),
+                             (GenerationParams(temperature=1.0, speculative_sampling="exact"), "speculative_sampling")):
             with pytest.raises(InvalidRequest, match=name):
                 grpc.generate("Hi", params, chat=False)
         with pytest.raises(InvalidRequest, match="raw text only"):
@@ -138,6 +139,7 @@ def test_completions_and_lengths(client, llmapi_server, template):
 
 
 @pytest.mark.parametrize("fields, param", [({"min_tokens": 4}, "min_tokens"), ({"ignore_eos": True}, "ignore_eos"),
+                                           ({"speculative_sampling": "rejection"}, "speculative_sampling"),
                                            ({"messages": [{"role": "robot", "content": "Hi"}]}, "messages")])
 def test_what_the_llmapi_model_cannot_take_is_a_bad_request(client, fields, param):
     request = {"model": MODEL, "messages": CONVERSATION[1:2], "max_tokens": 8}

@@ -21,8 +21,9 @@ def tensors(**inputs):
 def test_a_full_request_becomes_sampling_params():
     ids, params, streaming = parse_engine_request(tensors(
         input_ids=[[1, 2, 3]], max_tokens=[[16]], temperature=[[0.5]], top_k=[[4]], top_p=[[0.9]],
-        random_seed=[[7]], end_id=[[2]], stop_words=[[b"END", b"", "STOP".encode()]], stream=[[True]]), CONTEXT)
-    assert ids == [1, 2, 3] and streaming
+        random_seed=[[7]], end_id=[[2]], stop_words=[[b"END", b"", "STOP".encode()]], stream=[[True]],
+        speculative_sampling=[[b"rejection"]]), CONTEXT)
+    assert ids == [1, 2, 3] and streaming and params.speculative_sampling == "rejection"
     assert (params.max_new_tokens, params.temperature, params.top_k, params.seed) == (16, 0.5, 4, 7)
     assert params.top_p == pytest.approx(0.9) and params.stop_strings == ("END", "STOP")
     assert params.stop_token_ids == (2,) and params.ignore_eos  # end_id replaces the model's EOS ids
@@ -44,6 +45,7 @@ def test_defaults_are_greedy_and_not_streamed():
     ids, params, streaming = parse_engine_request(tensors(input_ids=[[5]], max_tokens=[[1]]), CONTEXT)
     assert params.greedy and params.top_k == 0 and params.top_p == 1 and not params.stop_strings
     assert not streaming and not params.ignore_eos
+    assert params.speculative_sampling is None  # the engine's (the build's) method
 
 
 @pytest.mark.parametrize("inputs, message", [
@@ -55,6 +57,8 @@ def test_defaults_are_greedy_and_not_streamed():
     (dict(input_ids=[[1]], max_tokens=[[4]], temperature=[[1.0, 2.0]]), "temperature must hold one value"),
     (dict(input_ids=[[1]], max_tokens=[[4]], seed=[[1]], random_seed=[[2]]), "seed and random_seed differ"),
     (dict(input_ids=[[1]], max_tokens=[[4]], bad_words=[[b"x"]]), "bad_words is not supported"),
+    (dict(input_ids=[[1]], max_tokens=[[4]], speculative_sampling=[[b"typical"]]),
+     "speculative_sampling must be one of exact, rejection; got 'typical'"),
     (dict(input_ids=[[1]], max_tokens=[[4]], stop_words=np.array([[b"\xff"]], dtype=object)),
      "stop_words: not valid UTF-8"),
 ])
@@ -110,6 +114,8 @@ def test_a_conversation_becomes_messages_in_the_chat_template():
     (dict(text_input=[[b"Hi"]], max_tokens=[[4]], exclude_input_in_output=[[False]]),
      "exclude_input_in_output=false is not supported .responses carry only the generated text"),
     (dict(text_input=[[b"Hi"]], max_tokens=[[4]], beam_width=[[2]]), "beam_width=2 is not supported"),
+    (dict(text_input=[[b"Hi"]], max_tokens=[[4]], speculative_sampling=[[b"Rejection"]]),
+     "speculative_sampling must be one of exact, rejection; got 'Rejection'"),
     (dict(text_input=[[b"Hi"]], max_tokens=[[4]], return_log_probs=[[True]]), "return_log_probs=true is not supported"),
     (dict(text_input=[[b"Hi"]], max_tokens=[[4]], presence_penalty=np.array([[0.5]], np.float32)),
      "presence_penalty=0.5 is not supported .no penalties; send 0 or leave it out"),

@@ -343,6 +343,9 @@ BAD_REQUESTS = {
     "seed and random_seed differ": (dict(text_input="Hi", max_tokens=8, seed=np.array([[1]], dtype=np.uint64),
                                          random_seed=np.array([[2]], dtype=np.uint64)),
                                     "invalid request: seed and random_seed differ"),
+    "unknown speculative sampling": (
+        dict(text_input="Hi", max_tokens=8, temperature=1.0, speculative_sampling="typical"),
+        "invalid request: speculative_sampling must be one of exact, rejection; got 'typical'"),
     "bad_words": (dict(text_input="Hi", max_tokens=8, bad_words=np.array([["bad"]], dtype=object)),
                   "invalid request: bad_words is not supported"),
     "non-UTF-8 stop word": (dict(text_input="Hi", max_tokens=8, stop_words=np.array([[b"\xff"]], dtype=object)),

@@ -49,7 +49,8 @@ class TritonPythonModel:
             # the build's profile of step times; on another device the engine profiles itself
             step_costs = StepCosts.from_json(json.loads(artifact_path(args, profile).read_text())) if profile else None
             return pipeline.engine(block_size=block_size, max_batch_size=max_batch_size,
-                                   max_context=int(params["max_context"]), step_costs=step_costs)
+                                   max_context=int(params["max_context"]), step_costs=step_costs,
+                                   speculative_sampling=params["speculative_sampling"])
 
         reports = queue.SimpleQueue()
         self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put,
