@@ -15,7 +15,7 @@ AUTO_BLOCK_SIZE = "auto"  # each engine step picks its verify length (dflash_run
 #   exact      the target's own sample at every position, so the output is the same as without speculation, at
 #              any block size (the default);
 #   rejection  speculative rejection sampling (min(1, p/q)): the target's distribution, but which sample a
-#              request gets depends on the drafter and the block size.
+#              request gets depends on the drafter and the verify lengths (a seed repeats it at a fixed block size).
 SPECULATIVE_SAMPLING = ("exact", "rejection")
 DEFAULT_SPECULATIVE_SAMPLING = "exact"
 

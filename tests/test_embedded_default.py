@@ -39,7 +39,7 @@ def test_preset_drafter_is_lossless_against_transformers(smollm2):
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_a_sampled_answer_is_the_same_at_every_block_size(smollm2, temperature):
     """Seeded sampling (top-k 50, top-p 0.95) on the embedded default: block 1, 4, 8 and auto, alone and in a
-    batch beside a greedy request, give the same tokens."""
+    batch beside a greedy request, give the same tokens, and with a stop string the same end."""
     prompts = [smollm2.encode(q) for q in QUESTIONS]
     sampled = SamplingParams(max_new_tokens=32, temperature=temperature, top_k=50, top_p=0.95, seed=21)
     plain = [s.output_ids for s in smollm2.engine(block_size=1, max_batch_size=2).generate(prompts, sampled)]
@@ -49,6 +49,14 @@ def test_a_sampled_answer_is_the_same_at_every_block_size(smollm2, temperature):
     mixed = smollm2.engine(block_size=8, max_batch_size=2).generate(prompts[:2], [SamplingParams(max_new_tokens=32),
                                                                                  sampled])
     assert mixed[1].output_ids == plain[1]
+    # a stop string from the middle of the sampled answer ends it at the same token at every block size
+    words = smollm2.decode(plain[0]).split()
+    stopped = SamplingParams(**{**sampled.__dict__, "stop_strings": (words[len(words) // 2],)})
+    ends = {block_size: smollm2.engine(block_size=block_size, max_batch_size=2).generate(prompts[:1], stopped)[0]
+            for block_size in (1, 8, "auto")}
+    assert len({tuple(seq.output_ids) for seq in ends.values()}) == 1
+    assert ends[8].finish_reason == "stop" and len(ends[8].output_ids) < len(plain[0])
+    assert ends[8].output_ids == plain[0][:len(ends[8].output_ids)]
 
 
 def test_generate_command_answers_through_the_chat_template(capsys):
