@@ -31,7 +31,7 @@ from .drafter import DFlashDrafter
 from .kv_cache import KVCache
 from .kv_injection.op import KERNEL_IS_FASTER
 from .sampling import (DRAFT, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens, proposal_hits,
-                       propose_tokens, rejection_choices, sample_tokens, to_device)
+                       propose_tokens, rejection_choices, sampling_scores, to_device)
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence
 from .step_graphs import StepGraphs, batch_bucket, length_bucket, length_buckets
@@ -76,13 +76,14 @@ class StepClock:
 class SampledRows:
     """A step's sampled rows: their indices [S], parameters, positions [S, k] (block row t chooses the token
     at position start + 1 + t, which draft t + 1 guesses) and the noise there; which rows use rejection
-    sampling ([S] bool), None when none does."""
+    sampling ([S] bool), None when none does; the drafter's sampling scores [S, k - 1, V] once it drafted."""
 
     rows: torch.Tensor
     params: RowParams
     positions: torch.Tensor
     noise: GumbelNoise
     rejection: torch.Tensor | None
+    draft_scores: torch.Tensor | None = None
 
 
 @dataclass
@@ -411,11 +412,10 @@ class SpeculativeEngine:
         if sampled is None:
             return drafts
         mine, params = logits[sampled.rows], sampled.params
-        drafted = mine.shape[1]
-        guesses = propose_tokens(mine, params, sampled.noise.first(drafted), self.proposal_rule.sharpness())
+        scores = sampled.draft_scores = sampling_scores(mine, params)  # also judged and tested in _choose
+        guesses = propose_tokens(mine, scores, sampled.noise.first(mine.shape[1]), self.proposal_rule.sharpness())
         if sampled.rejection is not None:
-            own = sample_tokens(mine, params, GumbelNoise(params.seeds, sampled.positions[:, :drafted],
-                                                          mine.shape[-1], DRAFT))
+            own = GumbelNoise(params.seeds, sampled.positions[:, :mine.shape[1]], mine.shape[-1], DRAFT).argmax(scores)
             guesses = torch.where(sampled.rejection[:, None], own, guesses)
         drafts[sampled.rows] = guesses
         return drafts
@@ -428,13 +428,14 @@ class SpeculativeEngine:
         chosen = logits.argmax(-1)
         if sampled is None:
             return chosen
-        rows, params = sampled.rows, sampled.params
-        samples = sample_tokens(logits[rows], params, sampled.noise)
+        rows = sampled.rows
+        scores = sampling_scores(logits[rows], sampled.params)
+        samples = sampled.noise.argmax(scores)
         if draft_logits is not None and self.proposal_rule.learning:
-            self.proposal_rule.observe(proposal_hits(draft_logits[rows, :1], params, sampled.noise.first(1),
-                                                     samples[:, :1]))
+            self.proposal_rule.observe(proposal_hits(draft_logits[rows, :1], sampled.draft_scores[:, :1],
+                                                     sampled.noise.first(1), samples[:, :1]))
         if sampled.rejection is not None and draft_logits is not None:
-            verdicts = rejection_choices(logits[rows], draft_logits[rows], block[rows, 1:], params,
+            verdicts = rejection_choices(scores, sampled.draft_scores, block[rows, 1:], sampled.params.seeds,
                                          sampled.positions, samples)
             samples = torch.where(sampled.rejection[:, None], verdicts, samples)
         chosen[rows] = samples

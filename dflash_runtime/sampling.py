@@ -217,23 +217,19 @@ def sample_tokens(logits: torch.Tensor, rows: RowParams, noise: GumbelNoise) -> 
     return noise.argmax(sampling_scores(logits, rows))
 
 
-def propose_tokens(logits: torch.Tensor, rows: RowParams, noise: GumbelNoise, sharpness: float) -> torch.Tensor:
-    """The drafter's guesses [N, T] for sampled positions from its logits [N, T, V]: the Gumbel-max of its
-    own sampling scores over `sharpness`, with the noise the target's samples there use. sharpness 1
+def propose_tokens(logits: torch.Tensor, scores: torch.Tensor, noise: GumbelNoise, sharpness: float) -> torch.Tensor:
+    """The drafter's guesses [N, T] for sampled positions from its logits [N, T, V] and their sampling scores:
+    the Gumbel-max of the scores over `sharpness`, with the noise the target's samples there use. sharpness 1
     couples the two samples (best where both distributions are flat and close); towards 0 it becomes the
     drafter's argmax, which wins where the target is sure and the drafter is not."""
-    return _guess(logits, None if sharpness == 0 else sampling_scores(logits, rows), noise, sharpness)
-
-
-def _guess(logits: torch.Tensor, scores: torch.Tensor | None, noise: GumbelNoise, sharpness: float) -> torch.Tensor:
     return logits.argmax(-1) if sharpness == 0 else noise.argmax(scores, 1 / sharpness)
 
 
-def proposal_hits(logits: torch.Tensor, rows: RowParams, noise: GumbelNoise, samples: torch.Tensor) -> torch.Tensor:
+def proposal_hits(logits: torch.Tensor, scores: torch.Tensor, noise: GumbelNoise,
+                  samples: torch.Tensor) -> torch.Tensor:
     """How many of the target's samples [N, T] each rule of DRAFT_SHARPNESS_CHOICES would have guessed from
-    the drafter's logits [N, T, V] and the noise there: [C] on the device."""
-    scores = sampling_scores(logits, rows)
-    return torch.stack([(_guess(logits, scores, noise, s) == samples).sum() for s in DRAFT_SHARPNESS_CHOICES])
+    the drafter's logits [N, T, V], their sampling scores and the noise there: [C] on the device."""
+    return torch.stack([(propose_tokens(logits, scores, noise, s) == samples).sum() for s in DRAFT_SHARPNESS_CHOICES])
 
 
 class ProposalRule:
@@ -268,22 +264,22 @@ class ProposalRule:
         return max(self.hits, key=self.hits.get)
 
 
-def rejection_choices(logits: torch.Tensor, draft_logits: torch.Tensor, drafts: torch.Tensor, rows: RowParams,
+def rejection_choices(scores: torch.Tensor, draft_scores: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor,
                       positions: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
     """Speculative rejection sampling (min(1, p/q), then a draw from max(0, p - q)), the target's choices
-    [N, k] for a block whose drafts [N, k - 1] were sampled from the drafter's distributions q (logits
-    [N, k - 1, V]); logits [N, k, V] are the target's, positions [N, k] theirs, samples [N, k] the
-    target's own Gumbel-max samples (the last position's choice, and the fallback where p - q rounds to
-    nothing). A draft is kept iff its choice equals it: a rejected draft has p < q, so the residual never
-    draws it. The output follows the target's distribution, but which sample a request gets depends on the
-    drafter and the block size."""
+    [N, k] for a block whose drafts [N, k - 1] were sampled from the drafter's distributions q (sampling
+    scores [N, k - 1, V]); scores [N, k, V] are the target's, seeds [N, 2] the rows', positions [N, k] the
+    block's, samples [N, k] the target's own Gumbel-max samples (the last position's choice, and the fallback
+    where p - q rounds to nothing). A draft is kept iff its choice equals it: a rejected draft has p < q, so
+    the residual never draws it. The output follows the target's distribution, but which sample a request gets
+    depends on the drafter and the verify lengths."""
     draw = positions[:, :-1]
-    p = torch.softmax(sampling_scores(logits[:, :-1], rows), dim=-1)
-    q = torch.softmax(sampling_scores(draft_logits, rows), dim=-1)
+    p = torch.softmax(scores[:, :-1], dim=-1)
+    q = torch.softmax(draft_scores, dim=-1)
     p_draft, q_draft = (probs.gather(-1, drafts[..., None])[..., 0] for probs in (p, q))
-    accepted = uniforms(rows.seeds, draw, 1, ACCEPT)[..., 0] * q_draft < p_draft
+    accepted = uniforms(seeds, draw, 1, ACCEPT)[..., 0] * q_draft < p_draft
     residual = (p - q).clamp_min(0)
-    resampled = GumbelNoise(rows.seeds, draw, residual.shape[-1], RESIDUAL).argmax(residual.log())
+    resampled = GumbelNoise(seeds, draw, residual.shape[-1], RESIDUAL).argmax(residual.log())
     resampled = torch.where(residual.sum(-1) > 0, resampled, samples[:, :-1])
     return torch.cat([torch.where(accepted, drafts, resampled), samples[:, -1:]], dim=1)
 

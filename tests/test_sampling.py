@@ -7,9 +7,9 @@ import torch
 
 from conftest import BLOCK, EOS, PROMPTS, VOCAB, load_pair
 from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine
-from dflash_runtime.sampling import (DEFAULT_DRAFT_SHARPNESS, DRAFT, DRAFT_SHARPNESS_CHOICES, ProposalRule, RowParams,
-                                     choose_tokens, GumbelNoise, gumbel_noise, proposal_hits, propose_tokens, rejection_choices,
-                                     sample_tokens)
+from dflash_runtime.sampling import (DEFAULT_DRAFT_SHARPNESS, DRAFT, DRAFT_SHARPNESS_CHOICES, GumbelNoise,
+                                     ProposalRule, RowParams, choose_tokens, gumbel_noise, proposal_hits,
+                                     propose_tokens, rejection_choices, sample_tokens, sampling_scores)
 
 SAMPLED = [SamplingParams(max_new_tokens=40, temperature=t, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
            for t in (0.7, 1.0)]
@@ -127,11 +127,11 @@ def test_rejection_sampling_follows_the_target_distribution(temperature, top_p):
     rows = RowParams.of([SamplingParams(temperature=temperature, top_p=top_p, seed=s) for s in range(n)], VOCAB,
                         torch.device("cpu"))
     positions = torch.arange(k).expand(n, k) + 10
-    drafts = sample_tokens(draft_logits.expand(n, k - 1, VOCAB), rows, GumbelNoise(rows.seeds, positions[:, :-1],
-                                                                                   VOCAB, DRAFT))
-    samples = sample_tokens(target_logits.expand(n, k, VOCAB), rows, GumbelNoise(rows.seeds, positions, VOCAB))
-    chosen = rejection_choices(target_logits.expand(n, k, VOCAB), draft_logits.expand(n, k - 1, VOCAB), drafts, rows,
-                               positions, samples)
+    scores = sampling_scores(target_logits.expand(n, k, VOCAB), rows)
+    draft_scores = sampling_scores(draft_logits.expand(n, k - 1, VOCAB), rows)
+    drafts = GumbelNoise(rows.seeds, positions[:, :-1], VOCAB, DRAFT).argmax(draft_scores)
+    samples = GumbelNoise(rows.seeds, positions, VOCAB).argmax(scores)
+    chosen = rejection_choices(scores, draft_scores, drafts, rows.seeds, positions, samples)
     expected = reference_probabilities(target_logits, temperature, 0, top_p)
     assert_follows(chosen[:, 0], expected)
     accepted = (chosen[:, 0] == drafts[:, 0]).double().mean().item()
@@ -159,12 +159,12 @@ def test_coupled_proposals_match_where_the_distributions_agree_and_argmax_where_
     n = 4000
     rows, noise, (spread, sure, unsure) = the_issues_two_cases(n)
     target = sample_tokens(spread, rows, noise)
-    assert (propose_tokens(spread, rows, noise, 1.0) == target).all()
-    assert (propose_tokens(spread, rows, noise, 0.0) == target).float().mean() < 0.05
+    assert (propose_tokens(spread, sampling_scores(spread, rows), noise, 1.0) == target).all()
+    assert (propose_tokens(spread, sampling_scores(spread, rows), noise, 0.0) == target).float().mean() < 0.05
     target = sample_tokens(sure, rows, noise)
     assert (target == 0).all()
-    assert (propose_tokens(unsure, rows, noise, 0.0) == target).all()
-    coupled = (propose_tokens(unsure, rows, noise, 1.0) == target).float().mean().item()
+    assert (propose_tokens(unsure, sampling_scores(unsure, rows), noise, 0.0) == target).all()
+    coupled = (propose_tokens(unsure, sampling_scores(unsure, rows), noise, 1.0) == target).float().mean().item()
     assert abs(coupled - 0.6) < 0.04
 
 
@@ -174,13 +174,13 @@ def test_the_learned_proposal_rule_is_the_one_that_guesses_best():
     sure and the drafter is not."""
     rows, noise, (spread, sure, unsure) = the_issues_two_cases(400)
     assert DRAFT_SHARPNESS_CHOICES == (0.0, 0.25, 0.5, 1.0)
-    hits = proposal_hits(spread, rows, noise, sample_tokens(spread, rows, noise))
+    hits = proposal_hits(spread, sampling_scores(spread, rows), noise, sample_tokens(spread, rows, noise))
     assert hits[-1] == 400 and hits[0] < 40
     rule = ProposalRule()
     assert rule.sharpness() == DEFAULT_DRAFT_SHARPNESS
     rule.observe(hits)
     assert rule.sharpness() == 1.0
-    hits = proposal_hits(unsure, rows, noise, sample_tokens(sure, rows, noise))
+    hits = proposal_hits(unsure, sampling_scores(unsure, rows), noise, sample_tokens(sure, rows, noise))
     assert hits[0] == 400 and hits[-1] < 300
     rule = ProposalRule()
     rule.observe(hits)
