@@ -198,17 +198,34 @@ def sampling_scores(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
         kth = top.values.gather(-1, (rows.top_k - 1).clamp_min(0).expand(*scores.shape[:-1], 1))
         scores = scores.masked_fill((scores < kth) & (rows.top_k > 0), float("-inf"))
     if rows.uses_top_p:
-        # Where every row's nucleus lies in its top-k, only those K scores are sorted, not the vocabulary. Either
-        # way a row's probabilities are the same up to rounding, as its logits are in batches of other sizes.
-        if rows.all_top_k:
+        log_total = torch.logsumexp(scores, dim=-1, keepdim=True)
+        if rows.all_top_k:  # every nucleus lies in its row's top-k: only those are sorted
             sorted_scores, order = top.values.masked_fill(top.values < kth, float("-inf")), top.indices
         else:
-            sorted_scores, order = scores.sort(dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_scores, dim=-1)
+            sorted_scores, order = _nucleus_candidates(scores, rows, log_total)
+        sorted_probs = (sorted_scores - log_total).exp()
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = (sorted_probs.cumsum(-1) - sorted_probs >= rows.top_p) & (rows.top_p < 1)
+        if order.shape[-1] < scores.shape[-1]:  # what no candidate covers lies outside every nucleus
+            scores = scores.masked_fill(rows.top_p < 1, float("-inf"))
         scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
     return scores
+
+
+NUCLEUS_CANDIDATES = 256
+
+
+def _nucleus_candidates(scores: torch.Tensor, rows: RowParams, log_total: torch.Tensor):
+    """The scores, sorted, and the token ids of a set that holds every top-p row's nucleus: on a CPU, where a
+    branch on values costs nothing and sorting the vocabulary costs ~15 % of a block-8 step of the embedded
+    default, the top NUCLEUS_CANDIDATES when their mass reaches every row's top_p; else the whole vocabulary.
+    A row's probabilities are the same either way up to rounding, as its logits are in batches of other sizes."""
+    if scores.device.type == "cpu" and NUCLEUS_CANDIDATES < scores.shape[-1]:
+        top = scores.topk(NUCLEUS_CANDIDATES, dim=-1)
+        mass = (top.values - log_total).exp().sum(-1, keepdim=True)
+        if bool(((mass >= rows.top_p + 1e-4) | (rows.top_p >= 1)).all()):  # the margin outweighs any rounding
+            return top.values, top.indices
+    return scores.sort(dim=-1, descending=True)
 
 
 def sample_tokens(logits: torch.Tensor, rows: RowParams, noise: GumbelNoise) -> torch.Tensor:

@@ -117,6 +117,38 @@ def test_gumbel_max_samples_follow_the_target_distribution(temperature, top_k, t
     assert_follows(samples, reference_probabilities(logits, temperature, top_k, top_p))
 
 
+def test_top_p_over_a_large_vocabulary_keeps_the_nucleus_whichever_tokens_are_sorted(monkeypatch):
+    """On a CPU the top 256 are sorted when they hold every row's nucleus, else the whole vocabulary: a peaked and a
+    flat row, alone and together (the flat one sends both to the full sort), beside a row without top-p whose
+    scores stay whole, give the oracle's distribution."""
+    from dflash_runtime.sampling import NUCLEUS_CANDIDATES
+
+    vocab = 4 * NUCLEUS_CANDIDATES
+    generator = torch.Generator().manual_seed(2)
+    peaked, flat, plain = (torch.randn(vocab, generator=generator) * spread for spread in (4.0, 0.1, 1.0))
+    params = {"peaked": SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+              "flat": SamplingParams(temperature=0.8, top_p=0.9, seed=1), "plain": SamplingParams(temperature=1.0, seed=1)}
+    logits = {"peaked": peaked, "flat": flat, "plain": plain}
+    sorts, full_sort = [], torch.Tensor.sort
+
+    def counted_sort(self, *args, **kwargs):
+        sorts.append(tuple(self.shape))
+        return full_sort(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", counted_sort)
+    for batch in (["peaked", "plain"], ["flat", "plain"], ["peaked", "flat", "plain"]):
+        rows = RowParams.of([params[name] for name in batch], vocab, torch.device("cpu"))
+        sorts.clear()
+        probs = torch.softmax(sampling_scores(torch.stack([logits[name] for name in batch])[:, None], rows), -1)
+        assert sorts == ([] if "flat" not in batch else [(len(batch), 1, vocab)]), batch
+        for n, name in enumerate(batch):
+            p = params[name]
+            expected = reference_probabilities(logits[name], p.temperature, p.top_k, p.top_p)
+            assert torch.equal(probs[n, 0] > 0, expected > 0), (batch, name)
+            torch.testing.assert_close(probs[n, 0].double(), expected, rtol=1e-4, atol=1e-6)
+    assert (reference_probabilities(flat, 0.8, 0, 0.9) > 0).sum() > NUCLEUS_CANDIDATES  # the flat row's needs all
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
 def test_rejection_sampling_follows_the_target_distribution(temperature, top_p):
     """Drafts drawn from a drafter's different distribution, then accepted by min(1, p/q) or resampled from
