@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how sampled requests verify drafts where they name no method (a request may): exact "
                              "(default; the output is the target's own sample, the same as without speculation at "
                              "any block size) or rejection (min(1, p/q): the same distribution, but the sample "
-                             "depends on the drafter and the block size)")
+                             "depends on the drafter and the verify lengths: a seed repeats it only at a fixed block "
+                             "size)")
     parser.add_argument("--max-batch-size", type=int, default=8,
                         help="sequences decoded together (KV-cache slots; default: 8)")
     parser.add_argument("--max-context", type=int,
