@@ -53,6 +53,13 @@ class Inputs:
         """Whether the engine picks verify lengths from a profile of step times (block size auto)."""
         return self.block_size == AUTO_BLOCK_SIZE
 
+    @property
+    def block_width(self) -> int:
+        """Tokens the widest step verifies: the drafter's block under auto, 1 without a drafter."""
+        if self.profiles:
+            return self.drafter.block_size if self.drafter else 1
+        return self.block_size
+
 
 def resolve_inputs(opts: BuildOptions, missing_ok: bool = False) -> Inputs:
     """Find the checkpoints and check that the drafter fits the target, before any heavy work. Every missing
@@ -178,7 +185,8 @@ def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
     steps.append(f"copy the drafter into {output / DRAFTER_DIR}" if inputs.drafter_ref else "no drafter to copy")
     if opts.runtime == "torch":
         steps.append(f"render the Triton model repository ({', '.join(TORCH_MODELS)}) into {output / REPOSITORY_DIR}: "
-                     f"max batch {opts.max_batch_size}, context {inputs.max_context}, {opts.dtype} on {opts.device}, "
+                     f"max batch {opts.max_batch_size}, context {inputs.max_context}, KV cache "
+                     f"{kv_cache_tokens(inputs, opts)} tokens, {opts.dtype} on {opts.device}, "
                      f"speculative sampling {opts.speculative_sampling}")
     else:
         steps.append(f"write TensorRT-LLM LLM-API options ({TRTLLM_OPTIONS_FILE}: DFlash, "
@@ -211,6 +219,13 @@ def copy_checkpoint(source: Path, destination: Path) -> None:
             shutil.copy2(path, out)
 
 
+def kv_cache_tokens(inputs: Inputs, opts: BuildOptions) -> int:
+    """The torch runtime's KV memory in tokens: --kv-cache-tokens, else the engine's default for the build."""
+    from dflash_runtime.engine import default_kv_cache_tokens
+
+    return opts.kv_cache_tokens or default_kv_cache_tokens(opts.max_batch_size, inputs.max_context, inputs.block_width)
+
+
 def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
     # Paths are relative to the repository root, so the build folder can move (a volume, a container).
     return {
@@ -224,6 +239,9 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
         "verify_profile": f"../{VERIFY_PROFILE_FILE}" if inputs.profiles and opts.sanity_tokens else "",
         "max_context": inputs.max_context,
         "max_queue_size": opts.max_queue_size,
+        "kv_cache_tokens": kv_cache_tokens(inputs, opts),
+        "prefill_chunk": opts.prefill_chunk,
+        "prefix_caching": str(opts.prefix_caching).lower(),
         "dtype": opts.dtype,
         "device": opts.device,
         "preprocessing_instances": 1,
@@ -371,7 +389,8 @@ def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, h
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "inputs": {"target": opts.target, "target_dir": str(inputs.target_dir), "preset": inputs.preset,
                    "drafter_dir": str(inputs.drafter_dir) if inputs.drafter_dir else None, "file_sha256": hashes},
-        "options": {**asdict(opts), "block_size": inputs.block_size, "max_context": inputs.max_context},
+        "options": {**asdict(opts), "block_size": inputs.block_size, "max_context": inputs.max_context,
+                    "kv_cache_tokens": kv_cache_tokens(inputs, opts)},
         "artifacts": {"target": TARGET_DIR, "drafter": DRAFTER_DIR if inputs.drafter_dir else None,
                       "model_repository": REPOSITORY_DIR,
                       "models": sorted(p.name for p in (stage / REPOSITORY_DIR).iterdir())},
@@ -455,7 +474,9 @@ def summary(manifest: dict, output: Path) -> str:
         runtime = f"trtllm: TensorRT-LLM's PyTorch backend on {resolve_gpu(options['gpu'])}, {drafts}, {batch}"
     else:
         runtime = (f"torch: our PyTorch runtime, {options['dtype']} on {options['device']}, "
-                   f"block {options['block_size']}, {batch}")
+                   f"block {options['block_size']}, {batch}, KV cache {options['kv_cache_tokens']} tokens, prefix "
+                   f"caching {'on' if options['prefix_caching'] else 'off'}, prefill chunk "
+                   f"{options['prefill_chunk'] or 'off'}")
     rows = [("build", str(output) + ("  (reused: inputs unchanged)" if manifest.get("reused") else "")),
             ("target", f"{manifest['inputs']['target']} ({manifest['inputs']['target_dir']})"),
             ("drafter", manifest["inputs"]["drafter_dir"] or "none"),

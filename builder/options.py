@@ -11,7 +11,7 @@ from pathlib import Path
 from builder.trtllm import DFLASH_ATTENTION_BACKEND_SMS
 from dflash_contract import DFlashError
 from dflash_contract.cli import ArgumentParser
-from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_PRESET, DEFAULT_SPECULATIVE_SAMPLING, PRESETS,
+from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PRESET, DEFAULT_SPECULATIVE_SAMPLING, PRESETS,
                                      SPECULATIVE_SAMPLING, block_size_argument, check_speculative_sampling,
                                      preset_table)
 
@@ -60,6 +60,9 @@ class BuildOptions:
     max_batch_size: int = 8
     max_context: int | None = None
     max_queue_size: int = 64
+    kv_cache_tokens: int | None = None  # None: max_batch_size contexts (engine.default_kv_cache_tokens)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # 0: a prompt's whole uncached part in one pass
+    prefix_caching: bool = True
     dtype: str = "auto"  # resolved by the build: bfloat16 on CUDA, float32 on a CPU
     device: str = "auto"  # resolved by the build: CUDA when there is a GPU
     gpu: str | None = None  # trtllm: the serving GPU (h100, b200, ...), checked against the quantization
@@ -116,6 +119,7 @@ def check_options(opts: BuildOptions) -> None:
         raise DFlashError("--kv-cache fp8 needs --quant fp8 or nvfp4 (the KV scales are calibrated with the weights)")
     for flag, value, least in (("--max-batch-size", opts.max_batch_size, 1),
                                ("--max-queue-size", opts.max_queue_size, 0),
+                               ("--prefill-chunk", opts.prefill_chunk, 0),
                                ("--calib-samples", opts.calib_samples, 1), ("--sanity-tokens", opts.sanity_tokens, 0),
                                ("--tensor-parallel-size", opts.tensor_parallel_size, 1),
                                ("--pipeline-parallel-size", opts.pipeline_parallel_size, 1)):
@@ -123,6 +127,8 @@ def check_options(opts: BuildOptions) -> None:
             raise DFlashError(f"{flag} must be >= {least}, got {value}")
     if opts.max_context is not None:
         check_context_room(opts.max_context, known_block_size(opts))
+    if opts.kv_cache_tokens is not None:
+        check_context_room(opts.kv_cache_tokens - known_block_size(opts), known_block_size(opts))
     check_speculative_sampling(opts.speculative_sampling)
     if opts.runtime == "trtllm" and opts.speculative_sampling != DEFAULT_SPECULATIVE_SAMPLING:
         raise DFlashError(f"--speculative-sampling {opts.speculative_sampling} is for --runtime torch: TensorRT-LLM's "
@@ -214,6 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{MIN_PROMPT_TOKENS} for a prompt + the drafter's block")
     parser.add_argument("--max-queue-size", type=int, default=64,
                         help="requests that may wait for a slot (default: 64)")
+    parser.add_argument("--kv-cache-tokens", type=int,
+                        help="KV memory of the torch runtime, in tokens for all sequences together (target and "
+                             "drafter caches, in blocks of 16 a sequence takes as it grows; default: --max-batch-size "
+                             "x --max-context). A sequence waits, or the newest is preempted and recomputed, when "
+                             "none is free; the context is cut to what it holds for one sequence")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help="prompt tokens the torch runtime prefills per step, so that running streams keep "
+                             f"decoding while a long prompt comes in; 0: a whole prompt in one pass (default: "
+                             f"{DEFAULT_PREFILL_CHUNK})")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="turn the torch runtime's prefix cache off (for A/B runs): every prompt is computed "
+                             "whole, even one that repeats a conversation's history")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="torch runtime dtype; auto (default): bfloat16 on CUDA, float32 on a CPU")
     parser.add_argument("--device", default="auto",
@@ -240,7 +258,8 @@ def options_from_args(args: argparse.Namespace) -> BuildOptions:
     return BuildOptions(target=args.target, drafter=args.drafter, runtime=args.runtime, quant=args.quant,
                         kv_cache=args.kv_cache, calib_samples=args.calib_samples, block_size=args.block_size,
                         max_batch_size=args.max_batch_size, max_context=args.max_context,
-                        max_queue_size=args.max_queue_size, dtype=args.dtype, device=args.device, gpu=args.gpu,
+                        max_queue_size=args.max_queue_size, kv_cache_tokens=args.kv_cache_tokens,
+                        prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching, dtype=args.dtype, device=args.device, gpu=args.gpu,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size, dflash_attention=args.dflash_attention,
                         sanity_tokens=args.sanity_tokens, speculative_sampling=args.speculative_sampling)

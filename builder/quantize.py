@@ -328,10 +328,7 @@ def _hf_logits(model):
 def _runtime_logits(target):
     @torch.no_grad()
     def logits(ids: list[int]) -> torch.Tensor:
-        tokens = torch.tensor([ids], device=target.device)
-        positions = torch.arange(len(ids), device=target.device)[None]
-        cache = target.new_cache(1, len(ids))
-        out, _ = target(tokens, positions, cache, torch.zeros(1, dtype=torch.long, device=target.device))
+        out, _ = target.whole_pass(torch.tensor([ids], device=target.device))
         return out[0].float()
     return logits
 

@@ -1,6 +1,6 @@
 """dflash-loadbench: load-test a running DFlash server, optionally side by side with a baseline server.
 
-Replays a prompt set (chat, ShareGPT held-out, HumanEval, or a .jsonl file) at fixed concurrency
+Replays a prompt set (chat, ShareGPT held-out, HumanEval, MT-Bench, MATH-500, or a .jsonl file) at fixed concurrency
 levels (N clients, each sending its next request when the last one completed) or at fixed request
 rates (Poisson arrivals, the same schedule for both servers). Every request streams, so the time to
 first token (TTFT) and the inter-token latency (ITL) are measured as a backend service sees them.
@@ -12,7 +12,10 @@ gateway, HOST:PORT) the gateway joins the rotation, and its overhead over direct
 per level (time to first token, throughput, identical texts).
 
 Output tokens are counted by re-tokenizing the returned text with the model's tokenizer (--tokenizer;
-the server returns text only). ITL spreads each streamed group's gap over its tokens (DFlash commits
+the server returns text only). With --turns 2 (mtbench, math500) each request is a conversation: its
+second turn re-sends the first turn's answer, as chat clients do, and is measured apart (its TTFT, and the
+share of its prompt the server's prefix cache held); a baseline then is the same build with
+--no-prefix-caching, for the cache's A/B. ITL spreads each streamed group's gap over its tokens (DFlash commits
 several tokens per verify pass); its mean is (latency - TTFT) / (tokens - 1).
 
 This is not dflash-bench, which times the runtime in-process (no server).
@@ -47,6 +50,9 @@ examples:
   # the OpenAI gateway beside direct gRPC on one server (dflash-serve's --openai-port)
   dflash-loadbench --url localhost:8001 --openai-url localhost:9000 --tokenizer builds/smollm2-135m/target \
       --prompts chat --num-prompts 16 --concurrency 1 8
+  # MT-Bench's two turns, the prefix cache against the same build with --no-prefix-caching
+  dflash-loadbench --url localhost:8001 --baseline-url localhost:9001 --tokenizer builds/smollm2-135m/target \
+      --prompts mtbench --turns 2 --num-prompts 80 --concurrency 1 8 --max-tokens 128
   # Poisson arrivals at 0.5, 1 and 2 requests/s, HumanEval prompts, over HTTP
   dflash-loadbench --url localhost:8000 --protocol http --tokenizer builds/smollm2-135m/target \\
       --prompts humaneval --request-rate 0.5 1 2
@@ -70,6 +76,7 @@ class Workload:
     params: GenerationParams
     chat: bool
     seed: int  # request-rate arrival times
+    second_turns: list[str] | None = None  # each conversation's second user turn (--turns 2)
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class Outcome:
     prompt: int
     generation: Generation | None
     error: str | None = None
+    second: Generation | None = None  # the second turn's, with --turns 2
 
 
 async def run_level(client: AsyncDFlashClient, workload: Workload, level: Level, on_done: Callable[[], None]
@@ -89,7 +97,13 @@ async def run_level(client: AsyncDFlashClient, workload: Workload, level: Level,
     async def send(i: int) -> None:
         try:
             generation = await client.generate(workload.prompts[i], workload.params, chat=workload.chat, stream=True)
-            outcomes[i] = Outcome(i, generation)
+            second = None
+            if workload.second_turns:
+                conversation = [{"role": "user", "content": workload.prompts[i]},
+                                {"role": "assistant", "content": generation.text},
+                                {"role": "user", "content": workload.second_turns[i]}]
+                second = await client.generate(conversation, workload.params, stream=True)
+            outcomes[i] = Outcome(i, generation, second=second)
         except DFlashClientError as e:
             outcomes[i] = Outcome(i, None, f"{type(e).__name__}: {e}")
         on_done()
@@ -133,14 +147,27 @@ def summarize(outcomes: list[Outcome], seconds: float, count_tokens: Callable[[s
         "itl_s": distribution(latencies),
         "latency_s": distribution([o.generation.timings.total for o in done]),
         "mean_acceptance_length": round(committed / steps, 4) if steps else None,
-        "per_request": [request_record(o.prompt, o.generation, n) for o, n in zip(done, tokens)],
+        **({"turn2": second_turn_summary([o.second for o in done])} if done and done[0].second else {}),
+        "per_request": [request_record(o.prompt, o.generation, n, o.second) for o, n in zip(done, tokens)],
     }
 
 
-def request_record(prompt: int, generation: Generation, output_tokens: int) -> dict:
-    return {"prompt": prompt, "output_tokens": output_tokens, "finish_reason": generation.finish_reason,
-            "ttft_s": round(generation.timings.ttft, 4), "latency_s": round(generation.timings.total, 4),
-            "stats": asdict(generation.stats), "text": generation.text}
+def second_turn_summary(seconds: list[Generation]) -> dict:
+    """Second turns: their TTFT, and the share of their prompt tokens the prefix cache held."""
+    prompt = sum(g.stats.prompt_tokens for g in seconds)
+    cached = sum(g.stats.cached_tokens for g in seconds)
+    return {"ttft_s": distribution([g.timings.ttft for g in seconds]), "prompt_tokens": prompt,
+            "cached_tokens": cached, "cached_fraction": round(cached / prompt, 4) if prompt else None}
+
+
+def request_record(prompt: int, generation: Generation, output_tokens: int, second: Generation | None = None) -> dict:
+    record = {"prompt": prompt, "output_tokens": output_tokens, "finish_reason": generation.finish_reason,
+              "ttft_s": round(generation.timings.ttft, 4), "latency_s": round(generation.timings.total, 4),
+              "stats": asdict(generation.stats), "text": generation.text}
+    if second is not None:  # compared as one text: both turns must agree
+        record.update(text=generation.text + "\n--- turn 2 ---\n" + second.text,
+                      turn2={"ttft_s": round(second.timings.ttft, 4), "stats": asdict(second.stats)})
+    return record
 
 
 def distribution(values: list[float]) -> dict:
@@ -158,10 +185,13 @@ def compare(main: dict, baseline: dict) -> dict:
 
     same = sum(a["text"] == b["text"] for a, b in zip(main["per_request"], baseline["per_request"])
                if a["prompt"] == b["prompt"])
-    return {"output_tokens_per_s": ratio(main["output_tokens_per_s"], baseline["output_tokens_per_s"]),
-            "ttft_p50": ratio(baseline["ttft_s"]["p50"], main["ttft_s"]["p50"]),
-            "itl_p50": ratio(baseline["itl_s"]["p50"], main["itl_s"]["p50"]),
-            "identical_texts": f"{same}/{len(main['per_request'])}"}
+    speedup = {"output_tokens_per_s": ratio(main["output_tokens_per_s"], baseline["output_tokens_per_s"]),
+               "ttft_p50": ratio(baseline["ttft_s"]["p50"], main["ttft_s"]["p50"]),
+               "itl_p50": ratio(baseline["itl_s"]["p50"], main["itl_s"]["p50"]),
+               "identical_texts": f"{same}/{len(main['per_request'])}"}
+    if "turn2" in main and "turn2" in baseline:  # the prefix cache's A/B: turn-2 TTFT, main over baseline
+        speedup["turn2_ttft_p50_ratio"] = ratio(main["turn2"]["ttft_s"]["p50"], baseline["turn2"]["ttft_s"]["p50"])
+    return speedup
 
 
 def gateway_overhead(gateway: dict, grpc: dict) -> dict:
@@ -277,11 +307,18 @@ def table(summary: dict) -> str:
                 tau = _fmt(r["mean_acceptance_length"])
                 lines.append(f"{label:<12}{name:<10}{r['requests_per_s']:>8.3f}{r['output_tokens_per_s']:>11.2f}"
                              f"{ttft:>22}{itl:>22}{tau:>7}{r['failed']:>8}")
+                if "turn2" in r:
+                    t2 = r["turn2"]
+                    lines.append(f"{'':<12}{'  turn 2':<10}{'':>8}{'':>11}"
+                                 + "{:>22}".format("/".join(_fmt(t2["ttft_s"][f"p{p}"]) for p in PERCENTILES))
+                                 + f"   prompt tokens cached {_fmt(t2['cached_fraction'], 100, 1, '%')}")
         if "speedup" in row:
             s = row["speedup"]
             lines.append(f"{'':<12}{'speedup':<10}{'':>8}{_fmt(s['output_tokens_per_s'], suffix='x'):>11}"
                          f"{_fmt(s['ttft_p50'], suffix='x'):>22}{_fmt(s['itl_p50'], suffix='x'):>22}"
-                         f"   identical texts {s['identical_texts']}")
+                         f"   identical texts {s['identical_texts']}"
+                         + (f", turn-2 TTFT p50 ratio {s['turn2_ttft_p50_ratio']}" if "turn2_ttft_p50_ratio" in s
+                            else ""))
         if "gateway" in row:
             g = row["gateway"]
             lines.append(f"{'':<12}{'gateway':<10}{'':>8}{_fmt(g['output_tokens_per_s'], suffix='x'):>11}"
@@ -345,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="chat, sharegpt (held-out split), humaneval, mtbench, math500, or a .jsonl file "
                              "(default: sharegpt)")
     parser.add_argument("--num-prompts", type=int, default=32, metavar="N", help="requests per level (default: 32)")
+    parser.add_argument("--turns", type=int, choices=[1, 2], default=1,
+                        help="2: each request is a two-turn conversation whose second turn re-sends the first "
+                             "turn's answer (mtbench, math500), measured apart (default: 1)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, nargs="+", metavar="N", help="concurrency levels (default: 1 4 8)")
     mode.add_argument("--request-rate", type=float, nargs="+", metavar="R", help="Poisson arrival rates, requests/s")
@@ -380,13 +420,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if any(level.value <= 0 for level in levels) or args.num_prompts < 1 or args.warmup < 0:
             raise ValueError("levels and --num-prompts must be > 0, --warmup >= 0")
-        from dflash_tools.prompts import prompt_set  # the same prompt sets as dflash-bench (no torch)
+        from dflash_tools.prompts import prompt_set, second_turns  # dflash-bench's prompt sets (no torch)
 
         params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   seed=args.seed if args.temperature > 0 else None,
                                   end_id=-1 if args.ignore_eos else None,
                                   speculative_sampling=args.speculative_sampling)
-        workload = Workload(prompt_set(args.prompts, args.num_prompts), params, not args.raw, args.seed)
+        if args.turns == 2 and args.raw:
+            raise ValueError("--turns 2 sends conversations: it needs the chat template (drop --raw)")
+        workload = Workload(prompt_set(args.prompts, args.num_prompts), params, not args.raw, args.seed,
+                            second_turns(args.prompts, args.num_prompts) if args.turns == 2 else None)
         summary = asyncio.run(run(args, workload, levels, token_counter(args.tokenizer)))
     except (DFlashClientError, ValueError, OSError) as e:  # DFlashError (bad prompt set) is a ValueError
         print(f"dflash-loadbench: error: {e}", file=sys.stderr)

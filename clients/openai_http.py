@@ -74,6 +74,7 @@ class OpenAIHttpClient:
         total = time.perf_counter() - start
         return Generation("".join(c.text for c in chunks), reason,
                           SpeculationStats(**stats, prompt_tokens=usage["prompt_tokens"],
+                                           cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
                                            completion_tokens=usage["completion_tokens"]),
                           Timings(chunks[0].seconds if chunks else total, total, tuple(chunks)))
 

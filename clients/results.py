@@ -15,6 +15,7 @@ class SpeculationStats:
     draft_steps: int = 0  # verify passes
     mean_acceptance_length: float | None = None  # tokens per verify pass (accepted drafts + 1), "tau"; None: none
     prompt_tokens: int = 0  # the templated prompt's tokens
+    cached_tokens: int = 0  # of those, the server found in its prefix cache
     completion_tokens: int = 0  # generated so far
 
 

@@ -18,6 +18,12 @@ AUTO_BLOCK_SIZE = "auto"  # each engine step picks its verify length (dflash_run
 #              request gets depends on the drafter and the verify lengths (a seed repeats it at a fixed block size).
 SPECULATIVE_SAMPLING = ("exact", "rejection")
 DEFAULT_SPECULATIVE_SAMPLING = "exact"
+# Prompt tokens a serving engine prefills per step (chunked prefill): running streams keep decoding while a long
+# prompt comes in, each step paying for at most this many prompt tokens beside its draft and verify passes.
+# Measured on a CPU (embedded default, 2 threads, 7 streams at block 8, a 4,000-token prompt arriving): their
+# step went from 160 ms to at most 555 ms with chunks of 128 (1.4 s with 256, 1.75 s with 512, 7.7 s unchunked),
+# and the long prompt's first token came after 14 s instead of 7.7 s.
+DEFAULT_PREFILL_CHUNK = 128
 
 
 @dataclass(frozen=True)

@@ -88,15 +88,17 @@ STATISTICS = (
     Statistic("draft_steps", "INT32", "draft_steps"),  # verify passes
     Statistic("mean_acceptance_length", "FP32", "mean_acceptance_length"),  # accepted drafts + 1 per pass: tau
     Statistic("num_input_tokens", "INT32", "prompt_tokens"),  # the templated prompt's tokens
+    Statistic("num_cached_tokens", "INT32", "cached_tokens"),  # of those, found in the prefix cache (not computed)
     Statistic("num_output_tokens", "INT32", "completion_tokens"),  # tokens generated so far
 )
 
 
 def response_statistics(draft_steps: int, accepted_draft_tokens: int, draft_tokens: int, prompt_tokens: int,
-                        completion_tokens: int) -> dict[str, float | int | None]:
+                        completion_tokens: int, cached_tokens: int = 0) -> dict[str, float | int | None]:
     """The STATISTICS values of a request (by field), from the engine's counts; None: nothing to report yet."""
     return {
         "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
         "completion_tokens": completion_tokens,
         "accepted_draft_tokens": accepted_draft_tokens,
         "draft_tokens": draft_tokens,

@@ -17,7 +17,7 @@ from torch import nn
 
 from .checkpoint import load_weights, read_safetensors
 from .config import DrafterConfig, TargetConfig
-from .kv_cache import KVCache
+from .kv_cache import BLOCK_SIZE, KVCache
 from .kv_injection import injected_kv, kv_injection
 from .layers import MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference
 
@@ -53,10 +53,10 @@ class DFlashDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+    def new_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
         s = self.config.shape
-        return KVCache(s.num_layers, num_slots, s.num_kv_heads, s.head_dim, capacity,
-                       self.dtype, self.fc.weight.device)
+        return KVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, self.dtype,
+                       self.fc.weight.device)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """The context vectors KV injection projects: [..., len(target_layer_ids) * hidden] -> [..., hidden]."""
@@ -73,20 +73,20 @@ class DFlashDrafter(nn.Module):
                            self.rotary.inverse_frequencies(context.device), positions, attn.k_norm.eps)
 
     def inject_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                       slots: torch.Tensor) -> None:
+                       table: torch.Tensor) -> None:
         """KV injection: write the context K/V of target features at their absolute positions.
 
-        features: [B, T, len(target_layer_ids) * hidden]; positions: [B, T]. Lengths are not changed:
-        the caller commits how many of the T positions are real context with cache.crop.
+        features: [B, T, len(target_layer_ids) * hidden]; positions: [B, T]; table: [B, W], each row's blocks.
+        Which of the T positions are real context is the caller's to know (attention reads by position).
         """
         context = self.context(features).flatten(0, 1)  # [B * T, hidden]
-        token_positions = positions.flatten()
-        token_slots = slots.repeat_interleave(positions.shape[1])  # contiguous: the kernel reads it with unit stride
+        blocks, _ = cache.locate(table, positions)
+        token_positions, token_blocks = positions.flatten(), blocks.flatten()  # contiguous: the kernel reads them with unit stride
         inv_freq = self.rotary.inverse_frequencies(context.device)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             kv_injection(context, attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight, inv_freq,
-                         token_positions, token_slots, cache.k[i], cache.v[i], attn.k_norm.eps)
+                         token_positions, token_blocks, *cache.injection_views(i), attn.k_norm.eps)
 
     def draft(self, h: torch.Tensor, positions: torch.Tensor, keys_values: Callable[[int], KeysValues],
               visible: torch.Tensor) -> torch.Tensor:
@@ -104,10 +104,10 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def forward(self, block_embeddings: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor, rows: torch.Tensor | slice, length: int) -> torch.Tensor:
+                table: torch.Tensor, length: int) -> torch.Tensor:
         """Draft one block per sequence from the cached context. block_embeddings: [B, S, hidden];
-        positions: [B, S], each row's block right after its committed context; rows: cache.rows of the slots;
-        length: keys to read, more than the highest position (the engine knows it on the host).
+        positions: [B, S], each row's block right after its committed context; table: [B, W], each row's
+        blocks; length: keys to read, more than the highest position (the engine knows it on the host).
 
         The block's own K/V are written into the cache after the context, where attention reads them with
         it (no copy of the context per layer); they lie past the committed length, so the next context
@@ -115,7 +115,7 @@ class DFlashDrafter(nn.Module):
         # every key up to the block's last position: the context before the block, and the whole block
         visible = (torch.arange(length, device=positions.device)[None, :] <= positions[:, -1:])[:, None, None, :]
         return self.draft(block_embeddings, positions,
-                          lambda i: partial(cache.write_and_read, i, slots, positions, rows, length), visible)
+                          lambda i: partial(cache.write_and_read, i, table, positions, length), visible)
 
 
 def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -28,12 +28,13 @@ from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_SPECULATIVE_SAMPLIN
 
 from .config import DFlashError
 from .drafter import DFlashDrafter
-from .kv_cache import KVCache
+from .block_manager import BlockManager
+from .kv_cache import BLOCK_SIZE, null_padded
 from .kv_injection.op import KERNEL_IS_FASTER
 from .sampling import (DRAFT, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens, proposal_hits,
                        propose_tokens, rejection_choices, sampling_scores, to_device)
 from .scheduler import Occupancy, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, Status
 from .step_graphs import StepGraphs, batch_bucket, length_bucket, length_buckets
 from .target import TargetModel
 from .verify_length import StepCosts, VerifyLengthPolicy, device_signature, doubling
@@ -45,8 +46,13 @@ CACHE_ALIGNMENT = 16  # SDPA's memory-efficient kernel needs a mask's key axis i
 
 
 def cache_capacity(max_context: int, block_size: int) -> int:
-    """KV cache rows per sequence: block positions run up to (max_context - 1) + (block_size - 1)."""
+    """Keys a pass may read: block positions run up to (max_context - 1) + (block_size - 1)."""
     return -(-(max_context + block_size) // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
+
+
+def default_kv_cache_tokens(max_batch_size: int, max_context: int, block_size: int) -> int:
+    """KV memory when none is set: what one slot of max_context per sequence took before the cache was paged."""
+    return max_batch_size * cache_capacity(max_context, block_size)
 
 
 class StepClock:
@@ -68,6 +74,7 @@ class StepClock:
     def intervals(self) -> list[float]:
         """Seconds between consecutive marks."""
         if self.cuda:
+            self.marks[-1].synchronize()  # done already where the step's results were copied back
             return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
@@ -103,7 +110,8 @@ class SpeculativeEngine:
                  max_context: int | None = None, decode: Callable[[list[int]], str] | None = None,
                  step_costs: StepCosts | None = None, static_shapes: bool | None = None,
                  draft_sharpness: float | None = None,
-                 speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING):
+                 speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING, kv_cache_tokens: int | None = None,
+                 prefix_caching: bool = True, prefill_chunk: int | None = None):
         """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
         length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
         to start "auto" from, used if it was made on this device (else the engine profiles itself).
@@ -112,29 +120,38 @@ class SpeculativeEngine:
         only pads, which the tests use to check the graphs' functions). draft_sharpness: how exact sampling
         drafts (sampling.propose_tokens): 1 couples the drafter's sample to the target's, 0 drafts argmax;
         None: learned as the engine runs (sampling.ProposalRule).
-        speculative_sampling: the method of sampled requests that name none (presets.SPECULATIVE_SAMPLING)."""
+        speculative_sampling: the method of sampled requests that name none (presets.SPECULATIVE_SAMPLING).
+        kv_cache_tokens: positions of KV memory for all sequences together, in blocks of kv_cache.BLOCK_SIZE
+        (default: max_batch_size contexts of max_context, what one slot per sequence took); max_context is cut
+        to what it holds for one sequence. prefix_caching: reuse the blocks of prompts seen before (off for A/B
+        runs). prefill_chunk: prompt tokens a step prefills at most, so that the running sequences keep
+        decoding during a long prompt (None: a prompt's whole uncached part in one pass)."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
-        _check_sizes(drafter, block_size, max_batch_size)
+        _check_sizes(drafter, block_size, max_batch_size, prefill_chunk)
         self.target = target
         self.device = target.device
         self.drafter = drafter if block_size > 1 else None
         self.block_size = block_size
-        self.max_context = min(max_context or 2048, target.config.max_position_embeddings)
+        max_context = min(max_context or 2048, target.config.max_position_embeddings)
+        blocks = -(-(kv_cache_tokens or default_kv_cache_tokens(max_batch_size, max_context, block_size)) // BLOCK_SIZE)
+        self.max_context = _context_in(blocks, max_context, block_size)
+        self.prefill_chunk = prefill_chunk
         self.decode = decode
         self.proposal_rule = ProposalRule(draft_sharpness)
         self.speculative_sampling = check_speculative_sampling(speculative_sampling)
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
-        capacity = cache_capacity(self.max_context, block_size)
-        self.target_cache = target.new_cache(max_batch_size, capacity)
-        self.draft_cache = self.drafter.new_cache(max_batch_size, capacity) if self.drafter else None
+        self.capacity = cache_capacity(self.max_context, block_size)  # the most keys a pass reads
+        self.target_cache = target.new_cache(blocks + 1)  # + the null block
+        self.draft_cache = self.drafter.new_cache(blocks + 1) if self.drafter else None
         self.feature_layers = self.drafter.config.target_layer_ids if self.drafter else ()
-        self.scheduler = Scheduler(max_batch_size, self.max_context)
+        self.block_manager = BlockManager(blocks + 1, BLOCK_SIZE, prefix_caching)
+        self.scheduler = Scheduler(max_batch_size, self.block_manager, block_size)
         self.last_step_seconds = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}  # for latency metrics
         self.last_verify_length: int | None = None  # None: the last step verified nothing
-        # slot -> (features [F], position) of committed tokens whose drafter context is not written yet
-        self.pending_context: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # sequence -> (features [F], position) of committed tokens whose drafter context is not written yet
+        self.pending_context: dict[Sequence, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         on_cuda = self.device.type == "cuda"
         if static_shapes is None:
             static_shapes = on_cuda and os.environ.get("DFLASH_CUDA_GRAPHS", "1") != "0"
@@ -144,15 +161,20 @@ class SpeculativeEngine:
         adaptive = adaptive and self.drafter is not None
         self.verify_lengths = doubling(block_size) if adaptive else (block_size,)  # the k a step may verify
         self.policy = None
+        self._start_up(adaptive, step_costs)
+
+    def _start_up(self, adaptive: bool, step_costs: StepCosts | None) -> None:
+        """What a request would otherwise wait on: KV-injection timings and graph captures on CUDA, the step
+        profile of "auto"."""
         with torch.inference_mode(), self._on_device():
-            if on_cuda:
+            if self.device.type == "cuda":
                 self._time_kv_injection()
             if self.graphs.capture:
                 self._capture_graphs()
             if adaptive:
                 if step_costs is None or step_costs.device != device_signature(self.device):
                     step_costs = self._profile_step_costs()
-                self.policy = VerifyLengthPolicy(block_size, step_costs)
+                self.policy = VerifyLengthPolicy(self.block_size, step_costs)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams) -> Sequence:
@@ -169,7 +191,8 @@ class SpeculativeEngine:
             raise DFlashError("empty prompt")
         if len(prompt_ids) >= self.max_context:
             raise DFlashError(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context} "
-                              "(including at least one generated token)")
+                              f"(including at least one generated token; the KV cache holds "
+                              f"{self.block_manager.num_blocks * BLOCK_SIZE} tokens for all sequences)")
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise DFlashError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -178,15 +201,26 @@ class SpeculativeEngine:
         return Sequence(prompt_ids, params.for_engine(self.speculative_sampling))
 
     def cancel(self, seq: Sequence) -> None:
+        """End `seq` and free its blocks; those full and cached stay findable."""
         if not seq.finished:
+            self.pending_context.pop(seq, None)
             self.scheduler.finish(seq, "cancelled")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def occupancy(self) -> Occupancy:
-        """Counts of running and waiting sequences, free slots and committed tokens; a snapshot."""
+        """Counts of running and waiting sequences, KV blocks, prefix-cache lookups; a snapshot."""
         return self.scheduler.occupancy()
+
+    def kv_cache_summary(self) -> str:
+        """The KV memory in words, for start-up lines."""
+        blocks = self.block_manager
+        bytes_per_block = sum(2 * c.k[:, 0].numel() * c.k.element_size()  # K and V of every layer
+                              for c in (self.target_cache, self.draft_cache) if c is not None)
+        return (f"KV cache {blocks.num_blocks * blocks.block_size} tokens ({blocks.num_blocks} blocks of "
+                f"{blocks.block_size}, {blocks.num_blocks * bytes_per_block / 2 ** 20:.0f} MiB), prefix caching "
+                f"{'on' if blocks.prefix_caching else 'off'}, prefill chunk {self.prefill_chunk or 'off'}")
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[Sequence]:
         """Run requests to completion; results come back in the order of `prompts`."""
@@ -199,12 +233,15 @@ class SpeculativeEngine:
 
     # -- one scheduling step ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Admit and prefill waiting sequences, then one draft + verify pass for the running batch."""
+        """Admit waiting sequences and prefill (a chunk of) their prompts, then one draft + verify pass for the
+        running sequences whose prompts are in."""
         with torch.inference_mode(), self._on_device():
             self.last_step_seconds = dict.fromkeys(self.last_step_seconds, 0.0)
             self.last_verify_length = None
-            outputs = [StepOutput(seq, self._commit(seq, self._prefill(seq))) for seq in self.scheduler.admit()]
-            batch = self.scheduler.batch()
+            outputs = self._prefill_step()
+            batch = self.scheduler.reserve([s for s in self.scheduler.running if not s.prefilling])
+            for seq in [s for s in self.pending_context if s.status is not Status.RUNNING]:  # preempted: recomputed
+                del self.pending_context[seq]
             if batch:
                 k = self._verify_length(batch)
                 stalls = self._stalls()
@@ -213,11 +250,38 @@ class SpeculativeEngine:
                     seconds = self.last_step_seconds
                     self.policy.costs.observe(len(batch), k, seconds["draft"] + seconds["verify"])
                 for seq, (tokens, accepted) in zip(batch, chosen):
+                    seq.num_computed += accepted + 1  # the accepted drafts and the token before them
                     committed = self._commit(seq, tokens)
                     self._record(seq, accepted, k - 1, len(committed))
                     outputs.append(StepOutput(seq, committed, seq.stats.acceptance_lengths[-1]))
                 self.last_verify_length = k
             return outputs
+
+    def _prefill_step(self) -> list[StepOutput]:
+        """Prefill the prompts of admitted sequences in one pass, oldest first, within the step's prefill_chunk
+        tokens; admit more while tokens are left. A sequence whose prompt is in gets its first token."""
+        budget = self.prefill_chunk or float("inf")
+        parts = []  # (sequence, end of the tokens this pass writes)
+
+        def take(seq: Sequence) -> None:
+            nonlocal budget
+            end = int(min(seq.prefill_end, seq.num_computed + budget))
+            if end > seq.num_computed:
+                parts.append((seq, end))
+                budget -= end - seq.num_computed
+
+        for seq in [s for s in self.scheduler.running if s.prefilling]:  # admitted in an earlier step
+            if budget > 0:
+                take(seq)
+        if budget > 0:
+            for seq in self.scheduler.admit():
+                take(seq)
+                if budget <= 0:
+                    break
+        if not parts:
+            return []
+        return [StepOutput(seq, self._commit(seq, first))
+                for (seq, _), first in zip(parts, self._prefill(parts)) if first]
 
     def _on_device(self):
         """On CUDA, self.device as the current device: an engine on cuda:1 launches its kernels and graphs
@@ -244,52 +308,67 @@ class SpeculativeEngine:
         if self.policy is not None:
             self.policy.acceptance[seq.params.acceptance_kind].observe(accepted, reached)
 
-    def _prefill(self, seq: Sequence) -> list[int]:
-        """The prompt's pass through the target; returns the first output token (as a list)."""
-        n = len(seq.prompt_ids)
-        self.pending_context.pop(seq.slot, None)  # a finished sequence's, in the slot this one takes
-        slots = self._to_device([seq.slot])
-        tokens = self._to_device([seq.prompt_ids])
-        positions = torch.arange(n, device=self.device)[None]
+    def _prefill(self, parts: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """One target pass over tokens [seq.num_computed, end) of each (seq, end), after what the cache holds;
+        returns each one's first output token (as a list) if its prompt is now in, else nothing.
+
+        Rows are padded to the longest part; a padding token sits past its row's end, where no query of the row
+        looks, in the row's own blocks or the null block, and is overwritten before it is ever read."""
+        seqs = [seq for seq, _ in parts]
+        starts, widths = [seq.num_computed for seq in seqs], [end - seq.num_computed for seq, end in parts]
+        width = max(widths)
+        table = self._tables(seqs, max(starts) + width)
+        tokens = self._to_device([seq.token_ids[start:end] + [0] * (width - (end - start))
+                                  for (seq, end), start in zip(parts, starts)])
+        positions = self._to_device(starts)[:, None] + torch.arange(width, device=self.device)
         clock = StepClock(self.device)
-        logits, features = self.target(tokens, positions, self.target_cache, slots, self.feature_layers,
-                                       last_only=True, rows=slice(seq.slot, seq.slot + 1), length=n, causal=True)
-        self._keep_context(features, positions, slots, self._to_device([n]))
+        logits, features = self.target(tokens, positions, self.target_cache, table, self.feature_layers,
+                                       logits_at=self._to_device([w - 1 for w in widths]), length=max(starts) + width,
+                                       causal=not any(starts) and min(widths) == width)  # whole prompts alike
+        if self.drafter is not None:
+            self.drafter.inject_context(features, positions, self.draft_cache, table)
         clock.mark()
-        self._hold_stop_tokens(logits, [seq], [0])
-        first = choose_tokens(logits[0], seq.params, n)  # reads the device: the clock's marks are done
+        firsts = []
+        for row, (seq, end) in enumerate(parts):
+            seq.num_computed = end
+            firsts.append([])
+            if end == len(seq.prompt_ids) and not seq.output_ids:
+                self._hold_stop_tokens(logits, [seq], [row])
+                firsts[-1] = choose_tokens(logits[row], seq.params, end)  # reads the device: the clock's marks are done
         seconds, = clock.intervals()
-        seq.stats.verify_seconds += seconds
+        for seq in seqs:
+            seq.stats.verify_seconds += seconds
         self.last_step_seconds["prefill"] += seconds
-        return first
+        return firsts
 
     def _speculate(self, batch: list[Sequence], k: int) -> list[tuple[list[int], int]]:
         """One draft pass and one verify pass of length k for the whole batch; returns per sequence its
         accepted drafts plus the target's token after them (the bonus), before any stop condition, and
         how many drafts were accepted."""
-        row_slots, row_of = self._rows(batch)
-        newest = dict(zip(row_of, ([s.output_ids[-1], s.last_position] for s in batch)))
-        inputs = self._to_device([newest.get(r, [0, 0]) for r in range(len(row_slots))])  # padding rows: 0, 0
+        num_rows = batch_bucket(len(batch), self.scheduler.num_slots) if self.static_shapes else len(batch)
+        row_of = list(range(len(batch)))  # rows past the batch (static shapes) pad: token 0 at position 0
+        inputs = self._to_device([[s.output_ids[-1], s.last_position] for s in batch] + [[0, 0]] * (num_rows - len(batch)))
         tokens, starts = inputs[:, :1], inputs[:, 1]
-        slots = self._to_device(row_slots)
-        rows = KVCache.rows(row_slots, slots)
         context = max(s.last_position for s in batch)  # the longest committed context, in tokens
+        draft_length, verify_length = self._length(context + self.block_size), self._length(context + k)
+        table = self._tables(batch + [None] * (num_rows - len(batch)), max(draft_length, verify_length))
         clock = StepClock(self.device)
         sampled = self._sampled_rows(batch, row_of, starts, k)
         block, draft_logits = tokens, None  # block [R, k]: each row's newest token, then k - 1 drafts
         if k > 1:
             self._write_pending_context(batch)
-            key = ("draft", len(row_slots), k, self._length(context + self.block_size))
-            draft_logits = self.graphs.run(key, self._pass(key, rows), tokens, starts, slots)
+            key = ("draft", num_rows, k, draft_length)
+            draft_logits = self.graphs.run(key, self._pass(key), tokens, starts, self._table_for(table, draft_length))
             block = torch.cat([tokens, self._propose(draft_logits, sampled)], dim=1)
         clock.mark()
-        key = ("verify", len(row_slots), k, self._length(context + k))
-        logits, features = self.graphs.run(key, self._pass(key, rows), block, starts, slots)
+        key = ("verify", num_rows, k, verify_length)
+        logits, features = self.graphs.run(key, self._pass(key), block, starts, self._table_for(table, verify_length))
         self._hold_stop_tokens(logits, batch, row_of)
         chosen = self._choose(logits, block, draft_logits, sampled)
         accepted = (block[:, 1:] == chosen[:, :-1]).cumprod(dim=1).sum(dim=1)
-        # block[0..a] are now committed context; the bonus token's K/V comes with the next block
-        self._keep_context(features, starts[:, None] + self.offsets[:k], slots, starts + accepted + 1,
+        # block[0..a] are now committed context (the step's caller counts them); the bonus token's K/V comes
+        # with the next block
+        self._keep_context(features, starts[:, None] + self.offsets[:k], table,
                            deferred=list(zip(batch, row_of)) if k == 1 else None)
         clock.mark()
         result = torch.cat([chosen, accepted[:, None]], dim=1).tolist()  # the step's device-to-host copy
@@ -301,45 +380,46 @@ class SpeculativeEngine:
             seq.stats.verify_seconds += verify_seconds
         return [(result[r][:result[r][-1] + 1], result[r][-1]) for r in row_of]
 
-    def _rows(self, batch: list[Sequence]) -> tuple[list[int], list[int]]:
-        """The cache slots a step runs over, row by row, and the row of each sequence of the batch:
-        the batch's own slots, or with static shapes slots 0..R-1 (free ones pad, see step_graphs)."""
-        slots = [s.slot for s in batch]
-        if not self.static_shapes:
-            return slots, list(range(len(batch)))
-        return list(range(batch_bucket(max(slots) + 1, self.scheduler.num_slots))), slots
+    def _tables(self, batch: list[Sequence | None], length: int) -> torch.Tensor:
+        """The block tables [len(batch), W] of sequences (None: a padding row) for passes reading `length` keys."""
+        width = -(-length // BLOCK_SIZE)
+        return self._to_device(null_padded([s.block_table if s else [] for s in batch], width))
+
+    @staticmethod
+    def _table_for(table: torch.Tensor, length: int) -> torch.Tensor:
+        """The columns of `table` a pass reading `length` keys uses (its graph's input shape)."""
+        return table[:, :-(-length // BLOCK_SIZE)]
 
     def _length(self, keys: int) -> int:
-        return length_bucket(keys, self.target_cache.capacity) if self.static_shapes else keys
+        return length_bucket(keys, self.capacity) if self.static_shapes else keys
 
-    def _pass(self, key: tuple, rows: torch.Tensor | slice) -> Callable:
-        """The pass of a graph key ("draft" or "verify", R, k, key length) over cache rows `rows`:
-        a function of (tokens [R, 1] or block [R, k], starts [R], slots [R])."""
+    def _pass(self, key: tuple) -> Callable:
+        """The pass of a graph key ("draft" or "verify", R, k, key length): a function of (tokens [R, 1] or
+        block [R, k], starts [R], block tables [R, W])."""
         name, _, k, length = key
         if name == "draft":
-            return partial(self._draft_pass, rows=rows, length=length, k=k)
-        return partial(self._verify_pass, rows=rows, length=length)
+            return partial(self._draft_pass, length=length, k=k)
+        return partial(self._verify_pass, length=length)
 
     def graph_keys(self) -> list[tuple]:
         """Every (pass, R, k, key length) a step can run with static shapes, at most graphs.max_graphs of them:
         if there are more, small batches and short contexts are kept (they are the launch-bound ones; the
         others run eagerly). Largest first, the order to capture them in."""
         keys = [(name, rows, k, length) for rows in doubling(self.scheduler.num_slots) for k in self.verify_lengths
-                for length in length_buckets(self.target_cache.capacity)
+                for length in length_buckets(self.capacity)
                 for name in (("draft", "verify") if k > 1 else ("verify",))]
         kept = sorted(keys, key=lambda key: (key[1], key[3]))[:self.graphs.max_graphs]
         return sorted(kept, key=lambda key: (key[1], key[2], key[3]), reverse=True)
 
     def _capture_graphs(self) -> None:
-        """Capture every graph a step can need now, on dummy rows 0..R-1 (no sequence holds a slot yet;
-        what the captures write into the caches is never read)."""
-        def dummy_inputs(name: str, rows: int, k: int) -> tuple[torch.Tensor, ...]:
+        """Capture every graph a step can need now, on dummy rows whose tables hold only the null block (what
+        the captures write there is never read)."""
+        def dummy_inputs(name: str, rows: int, k: int, length: int) -> tuple[torch.Tensor, ...]:
             first = torch.zeros((rows, 1 if name == "draft" else k), dtype=torch.long, device=self.device)
             starts = torch.zeros(rows, dtype=torch.long, device=self.device)
-            return first, starts, torch.arange(rows, device=self.device)
+            return first, starts, self._tables([None] * rows, length)
 
-        self.graphs.capture_all((key, self._pass(key, slice(0, key[1])), dummy_inputs(*key[:3]))
-                                for key in self.graph_keys())
+        self.graphs.capture_all((key, self._pass(key), dummy_inputs(*key)) for key in self.graph_keys())
 
     def _time_kv_injection(self) -> None:
         """Let the KV-injection op time its kernel against the reference (op.py) now, for every token count
@@ -350,15 +430,15 @@ class SpeculativeEngine:
         most = max(self.max_context, self.scheduler.num_slots * max(self.block_size, MAX_PENDING_CONTEXT))
         for n in doubling(1 << (most - 1).bit_length()):
             features = torch.zeros((1, n, width), dtype=self.target.dtype, device=self.device)
-            positions = torch.arange(n, device=self.device)[None] % self.draft_cache.capacity
-            self.drafter.inject_context(features, positions, self.draft_cache, torch.zeros_like(positions[0, :1]))
+            positions = torch.arange(n, device=self.device)[None]
+            self.drafter.inject_context(features, positions, self.draft_cache, self._tables([None], n))
 
     def _stalls(self) -> int:
         """Graph captures and KV-injection timings so far: a step during which either happened ran slow once."""
         return self.graphs.captures + len(KERNEL_IS_FASTER)
 
-    def _draft_pass(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, *,
-                    rows: torch.Tensor | slice, length: int, k: int) -> torch.Tensor:
+    def _draft_pass(self, tokens: torch.Tensor, starts: torch.Tensor, table: torch.Tensor, *,
+                    length: int, k: int) -> torch.Tensor:
         """The drafter's logits [R, k - 1, V] for the block positions after each row's newest token.
 
         The drafter always sees its whole block (its attention within the block is bidirectional, as
@@ -366,14 +446,14 @@ class SpeculativeEngine:
         masks = torch.full((len(tokens), self.block_size - 1), self.drafter.config.mask_token_id, device=self.device)
         embeddings = self.target.embed(torch.cat([tokens, masks], dim=1))
         positions = starts[:, None] + self.offsets
-        hidden = self.drafter(embeddings, positions, self.draft_cache, slots, rows, length)
+        hidden = self.drafter(embeddings, positions, self.draft_cache, table, length)
         return self.target.lm_head(hidden[:, 1:k])
 
-    def _verify_pass(self, block: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, *,
-                     rows: torch.Tensor | slice, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _verify_pass(self, block: torch.Tensor, starts: torch.Tensor, table: torch.Tensor, *,
+                     length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target over each row's block: logits [R, k, V] and the drafter's features of the block."""
         positions = starts[:, None] + self.offsets[:block.shape[1]]
-        return self.target(block, positions, self.target_cache, slots, self.feature_layers, rows=rows, length=length)
+        return self.target(block, positions, self.target_cache, table, self.feature_layers, length=length)
 
     def _hold_stop_tokens(self, logits: torch.Tensor, batch: list[Sequence], row_of: list[int]) -> None:
         """min_new_tokens: a sequence's stop ids get no probability at the block positions before its
@@ -441,36 +521,49 @@ class SpeculativeEngine:
         chosen[rows] = samples
         return chosen
 
-    def _keep_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      lengths: torch.Tensor, deferred: list[tuple[Sequence, int]] | None = None) -> None:
-        """Commit `lengths` tokens per slot; the drafter conditions on the target's features of the same tokens.
+    def _keep_context(self, features: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
+                      deferred: list[tuple[Sequence, int]] | None = None) -> None:
+        """The drafter's context of the target's features of the block at `positions` [R, k]: written for every
+        block position, the committed ones are what the step's caller counts (the rest are overwritten later).
 
         deferred: a step without drafts (one token per sequence; (sequence, row) pairs) keeps its features
         for the next step that drafts, which writes them all in one pass: under "auto" many plain steps
         may run in a row. They are copies: a CUDA graph's outputs are overwritten by the next pass."""
-        self.target_cache.crop(slots, lengths)
         if self.drafter is None:
             return
         if deferred is None:
-            self.drafter.inject_context(features, positions, self.draft_cache, slots)
-        else:
-            for seq, row in deferred:
-                self.pending_context.setdefault(seq.slot, []).append((features[row, 0].clone(), positions[row, 0]))
-            if max(len(self.pending_context[seq.slot]) for seq, _ in deferred) >= MAX_PENDING_CONTEXT:
-                self._write_pending_context([seq for seq, _ in deferred])
-        self.draft_cache.crop(slots, lengths)
+            self.drafter.inject_context(features, positions, self.draft_cache, table)
+            return
+        for seq, row in deferred:
+            self.pending_context.setdefault(seq, []).append((features[row, 0].clone(), positions[row, 0]))
+        if max(len(self.pending_context[seq]) for seq, _ in deferred) >= MAX_PENDING_CONTEXT:
+            self._write_pending_context([seq for seq, _ in deferred])
 
     def _write_pending_context(self, batch: list[Sequence]) -> None:
         """KV injection of the deferred context of the batch's sequences, padded to one [B, T] pass by
         repeating each row's last entry (writing the same K/V twice to one position is harmless)."""
-        rows = [(s.slot, self.pending_context.pop(s.slot)) for s in batch if s.slot in self.pending_context]
+        rows = [(s, self.pending_context.pop(s)) for s in batch if s in self.pending_context]
         if not rows:
             return
         width = max(len(entries) for _, entries in rows)
         padded = [entries + entries[-1:] * (width - len(entries)) for _, entries in rows]
         features = torch.stack([torch.stack([f for f, _ in entries]) for entries in padded])
         positions = torch.stack([torch.stack([p for _, p in entries]) for entries in padded])
-        self.drafter.inject_context(features, positions, self.draft_cache, self._to_device([slot for slot, _ in rows]))
+        table = self._tables([s for s, _ in rows], max(s.num_tokens for s, _ in rows))
+        self.drafter.inject_context(features, positions, self.draft_cache, table)
+
+    def _cacheable(self, seq: Sequence) -> int:
+        """Tokens of `seq` whose target K/V and drafter context are both written."""
+        return min(seq.num_computed - len(self.pending_context.get(seq, ())), seq.num_tokens)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq`, entering its full blocks into the prefix cache first (its deferred context written, so
+        that a conversation's next turn finds its answer too)."""
+        if self.block_manager.prefix_caching and self.drafter is not None:
+            self._write_pending_context([seq])
+        self.pending_context.pop(seq, None)
+        self.block_manager.cache_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, self._cacheable(seq))
+        self.scheduler.finish(seq, reason)
 
     def _profile_step_costs(self) -> StepCosts:
         """Seconds of a step at each verify length for batch sizes 1, 2, 4, ... max_batch_size, timed on
@@ -481,11 +574,12 @@ class SpeculativeEngine:
             for _ in range(batch_size):
                 self.scheduler.add(Sequence([t % vocab for t in range(prompt_length)], SamplingParams()))
             for seq in self.scheduler.admit():
-                seq.output_ids += self._prefill(seq)  # not committed: a dummy may not stop
-            batch = self.scheduler.batch()
+                seq.output_ids += self._prefill([(seq, prompt_length)])[0]  # not committed: a dummy may not stop
+            batch = list(self.scheduler.running)
             profile[batch_size] = {k: self._time_speculate(batch, k) for k in doubling(self.block_size)}
             for seq in batch:
                 self.scheduler.finish(seq, "cancelled")
+        self.block_manager.queried_tokens = self.block_manager.hit_tokens = 0  # the dummies' lookups are not traffic
         return StepCosts(device_signature(self.device), profile)
 
     def _time_speculate(self, batch: list[Sequence], k: int, repeats: int = 2) -> float:
@@ -509,11 +603,12 @@ class SpeculativeEngine:
             seq.output_ids.append(token)
             stops = len(seq.output_ids) > p.min_new_tokens  # before, none applies (stop ids could not be chosen)
             if stops and (token in stop_ids or (p.stop_strings and self._matches_stop_string(seq))):
-                self.scheduler.finish(seq, "stop")
+                self._finish(seq, "stop")
             elif len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_context:
-                self.scheduler.finish(seq, "length")
+                self._finish(seq, "length")
             if seq.finished:
                 return tokens[:n]
+        self.block_manager.cache_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, self._cacheable(seq))
         return tokens
 
     def _matches_stop_string(self, seq: Sequence) -> bool:
@@ -523,7 +618,18 @@ class SpeculativeEngine:
         return any(stop in tail for stop in seq.params.stop_strings)
 
 
-def _check_sizes(drafter: DFlashDrafter | None, block_size: int, max_batch_size: int) -> None:
+def _context_in(blocks: int, max_context: int, block_size: int) -> int:
+    """max_context cut to what `blocks` KV blocks hold for one sequence with its draft block: one sequence alone
+    must always fit, or once preempted it could never be admitted again."""
+    context = min(max_context, blocks * BLOCK_SIZE - block_size)
+    if context < 2:
+        raise DFlashError(f"a KV cache of {blocks * BLOCK_SIZE} tokens cannot hold a sequence with a block of "
+                          f"{block_size}")
+    return context
+
+
+def _check_sizes(drafter: DFlashDrafter | None, block_size: int, max_batch_size: int,
+                 prefill_chunk: int | None) -> None:
     if not isinstance(block_size, int):
         raise DFlashError(f"block size must be an integer or {AUTO_BLOCK_SIZE!r}, got {block_size!r}")
     if block_size < 1:
@@ -535,3 +641,5 @@ def _check_sizes(drafter: DFlashDrafter | None, block_size: int, max_batch_size:
                           f"({drafter.config.block_size})")
     if max_batch_size < 1:
         raise DFlashError(f"max batch size must be >= 1, got {max_batch_size}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise DFlashError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")

@@ -20,12 +20,30 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length", "cancelled"
-    slot: int | None = None
     stats: SamplingStats = field(default_factory=SamplingStats)
+    block_table: list[int] = field(default_factory=list)  # its KV blocks while running (block_manager.py)
+    block_hashes: list[int] = field(default_factory=list)  # the prefix-cache chain of its full blocks
+    num_computed: int = 0  # tokens whose K/V are in the caches
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when it was first admitted
+    preemptions: int = 0  # times its blocks were taken back and it was requeued to be recomputed
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_end(self) -> int:
+        """Tokens whose K/V a prefill writes: the whole prompt (its last token's logits choose the first output),
+        or, for a sequence recomputed after a preemption, all but the newest token."""
+        return self.num_tokens - 1 if self.output_ids else len(self.prompt_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prefill_end
 
     @property
     def last_position(self) -> int:

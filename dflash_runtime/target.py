@@ -9,7 +9,7 @@ from torch import nn
 
 from .checkpoint import load_weights, read_safetensors
 from .config import TargetConfig
-from .kv_cache import KVCache
+from .kv_cache import BLOCK_SIZE, KVCache
 from .layers import MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference
 
 
@@ -57,29 +57,37 @@ class TargetModel(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+    def new_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
         s = self.config.shape
-        return KVCache(s.num_layers, num_slots, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device)
+        return KVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+
+    def whole_pass(self, tokens: torch.Tensor, feature_layers: tuple[int, ...] = (), apply_head: bool = True):
+        """forward() over whole sequences, tokens [B, T] at positions 0..T-1, with a cache made for this pass
+        alone (training, calibration)."""
+        batch, length = tokens.shape
+        cache = self.new_cache(batch * -(-length // BLOCK_SIZE) + 1)
+        positions = torch.arange(length, device=tokens.device)[None].expand(batch, length)
+        return self(tokens, positions, cache, cache.sequential_table(batch, length), feature_layers,
+                    apply_head=apply_head, causal=True)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-                feature_layers: tuple[int, ...] = (), last_only: bool = False, apply_head: bool = True,
-                rows: torch.Tensor | slice | None = None, length: int | None = None, causal: bool = False):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, table: torch.Tensor,
+                feature_layers: tuple[int, ...] = (), logits_at: torch.Tensor | None = None, apply_head: bool = True,
+                length: int | None = None, causal: bool = False):
         """Run new tokens of several sequences at once, writing their K/V into the cache.
 
         tokens, positions: [B, T] (positions are absolute; each row may start at a different length)
-        returns logits [B, T or 1, V] and, if feature_layers, features [B, T, len(feature_layers) * hidden]
+        returns logits [B, T, V] (with logits_at [B], each row's index of the one token to return: [B, 1, V])
+        and, if feature_layers, features [B, T, len(feature_layers) * hidden]
         (the output of each listed layer, i.e. HF hidden_states[layer + 1], concatenated).
         With apply_head=False the final-normed hidden states come back instead of logits.
-        rows (cache.rows of the slots) and length (keys to attend to: more than the highest position)
-        are the engine's, known on the host; without them they are read from the tensors, which waits
-        for the device. causal: the rows are whole prompts, positions 0..T-1 with nothing cached before
+        table: [B, W], each row's blocks of the cache (kv_cache.py). length (keys to attend to: more than the
+        highest position) is the engine's, known on the host; without it, it is read from the tensors, which
+        waits for the device. causal: the rows are whole prompts, positions 0..T-1 with nothing cached before
         them (a prefill), which attention runs without a mask.
         """
-        if rows is None:
-            rows = cache.rows(slots.tolist(), slots)
         if length is None:
             length = tokens.shape[1] if causal else int(positions.max()) + 1
         h = self.embed(tokens)
@@ -92,12 +100,12 @@ class TargetModel(nn.Module):
         mask = AttentionMask(visible, s.num_heads, s.num_kv_heads)
         selected = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, partial(cache.write_and_read, i, slots, positions, rows, length), mask)
+            h = layer(h, cos, sin, partial(cache.write_and_read, i, table, positions, length), mask)
             if i in feature_layers:
                 selected[i] = h
         features = torch.cat([selected[i] for i in feature_layers], dim=-1) if feature_layers else None
-        if last_only:
-            h = h[:, -1:]
+        if logits_at is not None:
+            h = h[torch.arange(len(h), device=h.device), logits_at][:, None]
         h = self.model.norm(h)
         return (self.lm_head(h) if apply_head else h), features
 

@@ -53,6 +53,7 @@ class Chunk:
     stats: SamplingStats
     prompt_tokens: int
     output_tokens: int  # so far
+    cached_tokens: int  # of the prompt's, found in the prefix cache (0 before the sequence is admitted)
 
 
 class Stream(Protocol):
@@ -82,8 +83,14 @@ class StepReport:
     new_tokens: int = 0
     active: int = 0
     queued: int = 0
-    kv_cache_utilization: float = 0.0  # committed tokens / token capacity of all slots
+    kv_cache_utilization: float = 0.0  # KV blocks held by running sequences / all blocks
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0  # cached ones included: they are reused when needed
     cancelled: int = 0
+    # cumulative since the engine started (counters take the difference)
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
 
 
 class EngineLoop:
@@ -317,7 +324,7 @@ class EngineLoop:
             return
         window, read_offset = token_window(seq.output_ids, request.shown)
         chunk = Chunk(window, read_offset, seq.finished, seq.finish_reason, seq.stats, len(seq.prompt_ids),
-                      len(seq.output_ids))
+                      len(seq.output_ids), seq.num_cached_tokens or 0)
         request.shown = len(seq.output_ids)
         try:
             request.stream.send(chunk)
@@ -337,7 +344,12 @@ class EngineLoop:
             active=occupancy.running,
             queued=occupancy.waiting,
             kv_cache_utilization=occupancy.kv_cache_utilization,
+            kv_blocks_used=occupancy.used_blocks,
+            kv_blocks_free=occupancy.free_blocks,
             cancelled=cancelled,
+            prefix_queried_tokens=occupancy.prefix_queried_tokens,
+            prefix_hit_tokens=occupancy.prefix_hit_tokens,
+            preemptions=occupancy.preemptions,
         )
 
 

@@ -72,6 +72,8 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
     if hf is not None:
         modes["hf_generate"] = Mode()
     stats, identical = {b: SamplingStats() for b in dflash}, 0
+    engines = [autoregressive, *dflash.values()]
+    lookups = [(e.block_manager.queried_tokens, e.block_manager.hit_tokens) for e in engines]
     for n, ids in enumerate(prompts, 1):
         params = replace(sampling, max_new_tokens=max_new_tokens, seed=None if sampling.greedy else sampling.seed + n)
         outputs = []
@@ -94,8 +96,12 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
         print(f"[{label} {n}/{len(prompts)}] {len(ids)} prompt tokens, {len(outputs[0])} new, {', '.join(taus)}, "
               f"identical: {same}", file=sys.stderr)
     rate = {m: mode.rate for m, mode in modes.items()}
+    queried = sum(e.block_manager.queried_tokens - q for e, (q, _) in zip(engines, lookups))
+    hits = sum(e.block_manager.hit_tokens - h for e, (_, h) in zip(engines, lookups))
     result = {
         "num_prompts": len(prompts),
+        # prompt tokens every engine found in its prefix cache (a shared chat template, or a set run again)
+        "prefix_cache_hit_rate": round(hits / queried, 4) if queried else None,
         "tokens_per_second": {m: round(r, 2) for m, r in rate.items()},
         "dflash": {b: {"speedup_vs_autoregressive": round(rate[f"dflash {b}"] / rate["autoregressive"], 3),
                        **speculation_summary(stats[b])} for b in dflash},
@@ -149,6 +155,8 @@ def run(args) -> dict:
     with torch.inference_mode():
         warm = next(iter(sets.values()))[:1]  # first-call allocations stay out of the numbers
         measure(pipe, hf, autoregressive, dflash, warm, 4, "warm-up")
+        for engine in (autoregressive, *dflash.values()):  # nor do the warm-up prompt's cached blocks
+            engine.block_manager.forget()
         for temperature in args.temperature:
             sampling = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed) \
                 if temperature > 0 else None

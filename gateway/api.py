@@ -200,6 +200,7 @@ def usage(stats: SpeculationStats) -> dict:
     rejected = stats.draft_tokens - stats.accepted_draft_tokens
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
             "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # OpenAI's own field
             # SGLang's fields for speculative decoding's drafted tokens
             "completion_tokens_details": {"accepted_prediction_tokens": stats.accepted_draft_tokens,
                                           "rejected_prediction_tokens": rejected}}

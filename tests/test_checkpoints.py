@@ -85,25 +85,24 @@ def test_rope_base_is_read_from_either_transformers_spelling():
         read_rope({"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "x")
 
 
-def test_kv_cache_write_crop_and_ragged_reads(monkeypatch):
-    cache = KVCache(num_layers=1, num_slots=3, num_kv_heads=2, head_dim=4, capacity=8, dtype=torch.float32)
-    slots = torch.tensor([2, 0])
+def test_kv_cache_writes_and_reads_through_block_tables():
+    """Positions land in the block a table names for them, at their offset; a read gathers a row's blocks in
+    table order, cut to the keys asked for; rows may share a block (a prefix-cache hit)."""
+    cache = KVCache(num_layers=1, num_blocks=5, block_size=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    table = torch.tensor([[3, 1], [4, 2]])
     positions = torch.tensor([[0, 1, 2], [0, 1, 2]])
     kv = torch.arange(2 * 3 * 2 * 4, dtype=torch.float32).view(2, 3, 2, 4)
-    cache.write(0, slots, positions, kv, -kv)
-    cache.crop(slots, torch.tensor([3, 1]))  # slot 0 rolls back two rejected tokens
-    assert cache.lengths.tolist() == [1, 0, 3]
-    k, v = cache.read(0, KVCache.rows([0, 2], torch.tensor([0, 2])), 3)
-    assert k.shape == (2, 2, 3, 4)
-    assert torch.equal(k[1].transpose(0, 1), kv[0]) and torch.equal(v[0, :, 0], -kv[1, 0])
-    # slots in one increasing run are read as a view of the cache, the same values as a gather
-    assert KVCache.rows([1, 2], slots) == slice(1, 3) and KVCache.rows([2], slots) == slice(2, 3)
-    for a, b in zip(cache.read(0, slice(1, 3), 3), cache.read(0, torch.tensor([1, 2]), 3)):
-        assert a._base is not None and torch.equal(a, b)
-    # positions are checked with DFLASH_CHECK_BOUNDS=1 (a device-to-host copy per layer otherwise)
-    monkeypatch.setattr("dflash_runtime.kv_cache.CHECK_BOUNDS", True)
-    with pytest.raises(IndexError, match="beyond capacity"):
-        cache.write(0, slots, torch.tensor([[8], [0]]), kv[:, :1], kv[:, :1])
+    cache.write(0, table, positions, kv, -kv)
+    assert torch.equal(cache.k[0, 3], kv[0, :2]) and torch.equal(cache.k[0, 1, 0], kv[0, 2])
+    assert torch.equal(cache.v[0, 2, 0], -kv[1, 2]) and not cache.k[0, 0].any()  # the null block untouched
+    k, v = cache.read(0, table, 3)
+    assert k.shape == v.shape == (2, 2, 3, 4)
+    assert torch.equal(k[0].transpose(0, 1), kv[0]) and torch.equal(v[1].transpose(0, 1), -kv[1])
+    shared = cache.read(0, torch.tensor([[3, 2]]), 3)[0]  # sequence 0's first block, then sequence 1's second
+    assert torch.equal(shared[0].transpose(0, 1), torch.cat([kv[0, :2], kv[1, 2:]]))
+    assert cache.sequential_table(2, 3).tolist() == [[1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="need 6 blocks; the cache has 4"):
+        cache.sequential_table(3, 4)
 
 
 def test_a_loaded_drafter_saves_back_to_the_same_format(tiny, tmp_path):

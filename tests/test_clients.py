@@ -399,6 +399,25 @@ def test_loadbench_reports_consistent_numbers(default_server, default_build, tmp
     assert overhead["ratio_server_vs_in_process"] == pytest.approx(rates["server"] / rates["in_process"], rel=0.02)
 
 
+def test_loadbench_second_turns_hit_the_prefix_cache(default_server, default_build, tmp_path):
+    """--turns 2: each MT-Bench conversation's second turn re-sends the first turn's answer; the server's prefix
+    cache holds the history (at least the first turn's prompt), reported per level, and the texts agree."""
+    out = tmp_path / "turns.json"
+    code = loadbench.main(["--url", default_server.grpc_url, "--baseline-url", default_server.grpc_url,
+                           "--tokenizer", str(default_build / "target"), "--prompts", "mtbench", "--turns", "2",
+                           "--num-prompts", "2", "--concurrency", "1", "--max-tokens", "12", "--warmup", "0",
+                           "--json", str(out)])
+    assert code == 0
+    row = json.loads(out.read_text())["levels"][0]
+    for server in ("dflash", "baseline"):
+        turn2 = row[server]["turn2"]
+        firsts = [p["stats"]["prompt_tokens"] for p in row[server]["per_request"]]
+        assert turn2["prompt_tokens"] > sum(firsts) and turn2["cached_tokens"] >= sum(f - 16 for f in firsts)
+        assert 0 < turn2["cached_fraction"] < 1 and turn2["ttft_s"]["p50"] > 0
+        assert all("--- turn 2 ---" in p["text"] for p in row[server]["per_request"])
+    assert row["speedup"]["identical_texts"] == "2/2" and row["speedup"]["turn2_ttft_p50_ratio"] > 0
+
+
 # -- helpers ----------------------------------------------------------------------------------------
 class CuttingProxy:
     """A TCP proxy in front of the server whose connections the test can cut mid-stream."""

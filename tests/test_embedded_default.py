@@ -59,6 +59,35 @@ def test_a_sampled_answer_is_the_same_at_every_block_size(smollm2, temperature):
     assert ends[8].output_ids == plain[0][:len(ends[8].output_ids)]
 
 
+def test_second_turns_through_the_prefix_cache_are_plain_decoding(smollm2):
+    """A conversation's second turn on the embedded default, greedy and seeded, prefilled in chunks of 24 on KV
+    memory for about two sequences (so one is preempted as they grow): its prompt is found in the prefix cache, the tokens
+    are plain decoding's (block 1, no cache), and a hit drafts as the same request served cold."""
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)  # answers that grow: 24 tokens each
+    sampled = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, top_k=50, top_p=0.95, seed=5)
+    params = [greedy, sampled, greedy]
+    firsts = [[{"role": "user", "content": q}] for q in QUESTIONS + ["Name three primary colours."]]
+    plain = smollm2.engine(block_size=1, max_batch_size=3, prefix_caching=False)
+    answers = [smollm2.decode(s.output_ids) for s in plain.generate([smollm2.encode(m) for m in firsts], params)]
+    seconds = [smollm2.encode(m + [{"role": "assistant", "content": a}, {"role": "user", "content": "And why?"}])
+               for m, a in zip(firsts, answers)]
+    expected = [s.output_ids for s in plain.generate(seconds, params)]
+    # blocks of 16 for the first two prompts and a draft block (the blocks they share once): both run, and as they
+    # grow one is preempted
+    shared = next(i for i, (a, b) in enumerate(zip(*seconds[:2])) if a != b) // 16
+    blocks = sum(-(-(len(ids) + 8) // 16) for ids in seconds[:2]) - shared
+    engine = smollm2.engine(block_size=8, max_batch_size=3, kv_cache_tokens=blocks * 16, prefill_chunk=24)
+    engine.generate([smollm2.encode(m) for m in firsts], params)
+    served = engine.generate(seconds, params)
+    assert [s.output_ids for s in served] == expected
+    assert all(s.num_cached_tokens > 0 for s in served) and engine.occupancy().preemptions > 0
+    cold = smollm2.engine(block_size=8, max_batch_size=1, prefix_caching=False).generate(seconds[:1], params[:1])[0]
+    hit = smollm2.engine(block_size=8, max_batch_size=1)
+    hit.generate(seconds[:1], params[:1])
+    again = hit.generate(seconds[:1], params[:1])[0]
+    assert again.num_cached_tokens > 0 and again.stats.acceptance_lengths == cold.stats.acceptance_lengths
+
+
 def test_generate_command_answers_through_the_chat_template(capsys):
     assert main(["--prompt", QUESTIONS[0], "--max-new-tokens", "24", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -109,6 +138,8 @@ def test_benchmark_compares_the_ways_to_draft_under_sampling(tmp_path):
     assert list(summary["prompt_sets"]) == ["mtbench", "math500", "mtbench T=1", "math500 T=1"]
     for name, result in summary["prompt_sets"].items():
         assert result["token_identical_prompts"] == "1/1"
+        # the sampled sets repeat the greedy sets' prompts: every engine finds them in its prefix cache
+        assert (result["prefix_cache_hit_rate"] > 0.5) == ("T=" in name)
         assert all(result["dflash"][mode]["mean_acceptance_length"] >= 1 for mode in summary["modes"])
         # the rule each exact mode drafted with after the set: learned among the choices, or the one asked for
         sharpness = result["draft_sharpness"]

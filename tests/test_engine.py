@@ -8,7 +8,8 @@ import torch
 
 from conftest import BLOCK, EOS, PROMPTS, VOCAB, hf_greedy, load_pair
 from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine
-from dflash_runtime.scheduler import Occupancy, Scheduler
+from dflash_runtime.block_manager import BlockManager
+from dflash_runtime.scheduler import Scheduler
 from dflash_runtime.sequence import Sequence, Status
 
 NEW = 48
@@ -114,32 +115,38 @@ def test_cancel_frees_the_slot_and_spares_the_others(tiny):
     solo = SpeculativeEngine(target, drafter, block_size=BLOCK)
     assert keep.output_ids == solo.generate([PROMPTS[0]], params)[0].output_ids
     assert waiting.output_ids == solo.generate([PROMPTS[2]], params)[0].output_ids
-    assert engine.occupancy() == Occupancy(running=0, waiting=0, free_slots=2, committed_tokens=0,
-                                           token_capacity=2 * engine.max_context)
+    occupancy = engine.occupancy()
+    assert (occupancy.running, occupancy.waiting, occupancy.free_slots, occupancy.used_blocks) == (0, 0, 2, 0)
+    assert occupancy.free_blocks == engine.block_manager.num_blocks
 
 
-def test_scheduler_admits_into_free_slots_and_frees_them():
-    scheduler = Scheduler(num_slots=2, tokens_per_slot=10)
-    first, second, third = (Sequence([1, 2, 3], SamplingParams()) for _ in range(3))
+def test_scheduler_admits_by_blocks_and_frees_them():
+    """A sequence joins while the batch has room and free blocks cover its prompt and one draft block; finishing
+    in "prefill" hands its blocks to the next in line at once; finishing or cancelling gives them back."""
+    blocks = BlockManager(num_blocks=1 + 4, block_size=4, prefix_caching=False)
+    scheduler = Scheduler(max_running=3, blocks=blocks, lookahead=2)
+    first, second, third = (Sequence([1, 2, 3, 4, 5], SamplingParams()) for _ in range(3))  # 5 + 2 positions: 2 blocks
     for seq in (first, second, third):
         scheduler.add(seq)
     admitted = []
-    for seq in scheduler.admit():  # finishing in "prefill" hands the slot to the next in line at once
+    for seq in scheduler.admit():
         admitted.append(seq)
         if seq is first:
             scheduler.finish(seq, "length")
-    assert admitted == [first, second, third] and first.slot is None and first.finish_reason == "length"
-    assert scheduler.batch() == [second, third]  # the lowest free slot first: second reused first's slot 0
-    assert scheduler.occupancy() == Occupancy(running=2, waiting=0, free_slots=0, committed_tokens=6, token_capacity=20)
-    assert scheduler.occupancy().kv_cache_utilization == 0.3
+    assert admitted == [first, second, third] and not first.block_table and first.finish_reason == "length"
+    assert second.block_table == [3, 4] and third.block_table == [2, 1]  # then first's, its last block first
+    occupancy = scheduler.occupancy()
+    assert (occupancy.running, occupancy.free_slots, occupancy.used_blocks, occupancy.free_blocks) == (2, 1, 4, 0)
+    assert occupancy.kv_cache_utilization == 1.0 and occupancy.token_capacity == 16
     waiting = Sequence([4], SamplingParams())
     scheduler.add(waiting)
+    assert list(scheduler.admit()) == []  # no free block: it waits
     scheduler.finish(waiting, "cancelled")
     scheduler.finish(second, "cancelled")
-    assert waiting.status is second.status is Status.FINISHED and scheduler.free_slots == [0]
+    assert waiting.status is second.status is Status.FINISHED and blocks.num_free == 2
     assert scheduler.has_unfinished() and scheduler.occupancy().waiting == 0
     scheduler.finish(third, "stop")
-    assert not scheduler.has_unfinished() and sorted(scheduler.free_slots) == [0, 1]
+    assert not scheduler.has_unfinished() and blocks.num_free == 4
 
 
 def test_bad_requests_are_rejected_clearly(tiny):

@@ -64,6 +64,8 @@ def test_a_conversation_gives_the_grpc_clients_text_streamed_or_not(client, grpc
     assert usage.prompt_tokens == len(encode_prompt(tokenizer, CONVERSATION)) == expected.stats.prompt_tokens
     assert usage.completion_tokens == expected.stats.completion_tokens
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # the gRPC call just computed the same prompt: the prefix cache holds all of it but its last token, in blocks
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16 > 0
     # the speculation statistics (how many drafts a step verifies is chosen per step, so they vary between runs)
     details, extension = usage.completion_tokens_details, whole.model_extra["dflash"]
     assert details.accepted_prediction_tokens == extension["accepted_draft_tokens"]
@@ -136,7 +138,7 @@ def test_include_usage_adds_exactly_one_usage_chunk(client):
                                                  stream_options={"include_usage": True}, **GREEDY))
     with_usage = [c for c in chunks if c.usage is not None]
     assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1].choices == []
-    assert with_usage[0].usage.completion_tokens > 0
+    assert with_usage[0].usage.completion_tokens > 0 and with_usage[0].usage.prompt_tokens_details.cached_tokens > 0
     plain = list(client.chat.completions.create(model=MODEL, messages=CONVERSATION, stream=True, **GREEDY))
     assert all(c.usage is None for c in plain)
 

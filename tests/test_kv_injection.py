@@ -54,20 +54,21 @@ def test_reference_equals_the_unfused_drafter_layer(shape):
         attn.v_proj.weight.copy_(batch["v_weight"])
         attn.k_norm.weight.copy_(batch["k_norm_weight"])
         # unfused: projections, k_norm, RoPE, then a scatter per sequence
-        unfused = KVCache(1, 3, kv_heads, head_dim, 32, torch.float32)
+        unfused = KVCache(1, num_blocks=3, block_size=32, num_kv_heads=kv_heads, head_dim=head_dim,
+                          dtype=torch.float32)  # a block per slot
         start = 0
         for slot, count, first in RAGGED:
             positions = torch.arange(first, first + count)[None]
             cos, sin = drafter.rotary(positions, torch.float32)
             k, v = attn.key_value(batch["context"][None, start:start + count], cos, sin)
-            unfused.write(0, torch.tensor([slot]), positions, k, v)
+            unfused.write(0, torch.tensor([[slot]]), positions, k, v)
             start += count
         cache_k, cache_v = new_cache(kv_heads, head_dim)
         kv_injection_reference(batch["context"], batch["k_weight"], batch["v_weight"], batch["k_norm_weight"],
                                rope.inverse_frequencies(head_dim), batch["positions"], batch["slots"], cache_k, cache_v,
                                1e-6)
-    torch.testing.assert_close(cache_k, unfused.k[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cache_v, unfused.v[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache_k, unfused.k[0].transpose(1, 2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache_v, unfused.v[0].transpose(1, 2), rtol=1e-5, atol=1e-5)
     assert cache_k[1, :, 31].abs().sum() > 0  # the cache's last position was written
 
 
@@ -219,7 +220,7 @@ def test_bounds_are_checked_when_asked():
         batch = ragged_batch(hidden, kv_heads, head_dim)
         try:
             kv_injection(batch["context"], batch["k_weight"], batch["v_weight"], batch["k_norm_weight"],
-                         RopeConfig(base).inverse_frequencies(head_dim), batch["positions"] + 32, batch["slots"],
+                         RopeConfig(base).inverse_frequencies(head_dim), batch["positions"], batch["slots"] + 1,
                          *new_cache(kv_heads, head_dim), 1e-6)
         except IndexError as e:
             print(e)
@@ -228,7 +229,7 @@ def test_bounds_are_checked_when_asked():
     code = code.format(tests=here, repo=os.path.dirname(here))
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DFLASH_CHECK_BOUNDS": "1"},
                          capture_output=True, text=True, timeout=300)
-    assert "positions span [32, 63], outside [0, 32)" in run.stdout, run.stderr[-2000:]
+    assert "slots span [1, 3], outside [0, 3)" in run.stdout, run.stderr[-2000:]
 
 
 def test_custom_op_registration_and_fake_kernel():
@@ -255,7 +256,7 @@ def test_ptx_is_compiled_ahead_of_time_for_hopper_and_blackwell(arch, float_type
     params = [line.split()[1] for line in entry.splitlines() if line.strip().startswith(".param")]
     # TensorRT's AOT order: 9 input pointers, 5 int32 scalars, 2 output pointers (then Triton's two
     # scratch pointers, unused: compile_ptx checks their sizes are 0)
-    assert params == [".u64"] * 9 + [".u32"] * 5 + [".u64"] * 2 + [".u64"] * 2
+    assert params == [".u64"] * 9 + [".u32"] * 6 + [".u64"] * 2 + [".u64"] * 2
     assert kernel.num_warps * 32 == 128 and kernel.shared_memory < 48 * 1024
 
 

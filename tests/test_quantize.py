@@ -63,9 +63,8 @@ def hf_model(path):
 
 
 def runtime_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(ids.shape[1])[None]
     with torch.no_grad():
-        logits, _ = model(ids, positions, model.new_cache(1, ids.shape[1]), torch.zeros(1, dtype=torch.long))
+        logits, _ = model.whole_pass(ids)
     return logits[0]
 
 

@@ -463,7 +463,9 @@ def test_restart_on_the_same_repository_and_shutdown_with_a_request_in_flight(de
     with start_server(repository, 0, 0, 0, log_path=tmp_path / "first.log") as server:
         assert streamed_text(server.grpc_url, QUESTIONS[4], 24)[0] == in_process[QUESTIONS[4]]
         # the engine's start-up report (on a GPU it counts the CUDA graphs captured)
-        assert "dflash: engine ready on cpu, max batch 8, context 2048: no CUDA graphs" in server.log()
+        assert "dflash: engine ready on cpu, max batch 8, context 2048, KV cache 16512 tokens (1032 blocks of 16, " \
+            in server.log()
+        assert "prefix caching on, prefill chunk 128: no CUDA graphs" in server.log()
     server = start_server(repository, 0, 0, 0, log_path=tmp_path / "second.log", drain_seconds=2)
     assert streamed_text(server.grpc_url, QUESTIONS[4], 24)[0] == in_process[QUESTIONS[4]]
     stream = Stream(server.grpc_url)

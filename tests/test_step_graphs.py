@@ -11,7 +11,6 @@ import torch
 from conftest import BLOCK, PROMPTS, load_pair
 from dflash_runtime import SamplingParams, SpeculativeEngine
 from dflash_runtime.engine import cache_capacity
-from dflash_runtime.kv_cache import KVCache
 from dflash_runtime.step_graphs import MIN_LENGTH_BUCKET, StepGraphs, batch_bucket, length_bucket, length_buckets
 from test_verify_length import Cycle, mixed_requests
 
@@ -43,11 +42,10 @@ def test_static_shapes_are_lossless_with_padding_rows(tiny, schedule):
     plain = [s.output_ids for s in SpeculativeEngine(target, block_size=1, max_batch_size=4).generate(prompts, params)]
     engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=4, static_shapes=True)
     engine._verify_length = Cycle(schedule)
-    padded = []
-    rows = engine._rows
-    engine._rows = lambda batch: padded.append(len(rows(batch)[0]) > len(batch)) or rows(batch)
+    padded, tables = [], engine._tables
+    engine._tables = lambda batch, length: padded.append(None in batch) or tables(batch, length)
     assert [s.output_ids for s in engine.generate(prompts, params)] == plain
-    assert any(padded)  # some steps really ran over free slots
+    assert any(padded)  # some steps really ran over padding rows
 
 
 def test_static_shapes_under_auto_are_lossless(tiny):
@@ -67,32 +65,31 @@ def test_step_passes_compile_without_graph_breaks(tiny, k):
     for prompt in PROMPTS[:3]:
         engine.add_request(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
     engine.step()
-    batch = engine.scheduler.batch()
-    row_slots, row_of = engine._rows(batch)
-    assert [s.slot for s in batch] == row_of == [0, 1, 2] and row_slots == [0, 1, 2, 3]
-    starts = torch.tensor([batch[row_of.index(r)].last_position if r in row_of else 0 for r in row_slots])
-    tokens = torch.tensor([[batch[row_of.index(r)].output_ids[-1] if r in row_of else 0] for r in row_slots])
-    slots = torch.tensor(row_slots)
-    rows = KVCache.rows(row_slots, slots)
+    batch = engine.scheduler.running
+    assert len(batch) == 3
+    starts = torch.tensor([s.last_position for s in batch] + [0])
+    tokens = torch.tensor([[s.output_ids[-1]] for s in batch] + [[0]])
     context = max(s.last_position for s in batch)
-    draft_length, verify_length = engine._length(context), engine._length(context + k)
+    draft_length, verify_length = engine._length(context + BLOCK), engine._length(context + k)
+    table = engine._tables(batch + [None], draft_length)
+    assert table.shape[0] == 4 and (table[3] == 0).all()  # the padding row reads the null block
 
-    def draft(tokens, starts, slots):
-        return engine._draft_pass(tokens, starts, slots, rows=rows, length=draft_length, k=k)
+    def draft(tokens, starts, table):
+        return engine._draft_pass(tokens, starts, table, length=draft_length, k=k)
 
-    def verify(block, starts, slots):
-        return engine._verify_pass(block, starts, slots, rows=rows, length=verify_length)
+    def verify(block, starts, table):
+        return engine._verify_pass(block, starts, table, length=verify_length)
 
     torch._dynamo.reset()
     with torch.inference_mode():
-        draft_logits = draft(tokens, starts, slots) if k > 1 else None
+        draft_logits = draft(tokens, starts, table) if k > 1 else None
         block = torch.cat([tokens, draft_logits.argmax(-1)], dim=1) if k > 1 else tokens
-        logits, features = verify(block, starts, slots)
+        logits, features = verify(block, starts, table)
         if k > 1:
-            compiled_draft_logits = torch.compile(draft, fullgraph=True)(tokens, starts, slots)
+            compiled_draft_logits = torch.compile(draft, fullgraph=True)(tokens, starts, table)
             assert torch.equal(compiled_draft_logits.argmax(-1), draft_logits.argmax(-1))
             torch.testing.assert_close(compiled_draft_logits, draft_logits, rtol=1e-4, atol=1e-4)
-        compiled_logits, compiled_features = torch.compile(verify, fullgraph=True)(block, starts, slots)
+        compiled_logits, compiled_features = torch.compile(verify, fullgraph=True)(block, starts, table)
     assert torch.equal(compiled_logits.argmax(-1), logits.argmax(-1))
     torch.testing.assert_close(compiled_logits, logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled_features, features, rtol=1e-4, atol=1e-4)
@@ -123,6 +120,9 @@ def test_gpu_check_tool_runs_on_a_cpu(tmp_path, capsys):
     assert rows[2]["keys"] > 2000 and rows[2]["bandwidth_floor_ms"] > rows[0]["bandwidth_floor_ms"]
     printed = capsys.readouterr().out
     assert "AR/fl" in printed and "n/v16" in printed and "SDPA backend" in printed
+    paged = json.loads(out.read_text())["paged_attention"]
+    assert [(r["batch"], r["keys"]) for r in paged] == [(1, 2048), (1, 16384), (2, 2048), (2, 16384)]
+    assert all(r["paged_ms"] > 0 and r["contiguous_ms"] > 0 for r in paged) and "paged attention" in printed
 
 
 def test_bounds_checks_hold_inside_a_compiled_pass(tiny, monkeypatch):
@@ -133,11 +133,11 @@ def test_bounds_checks_hold_inside_a_compiled_pass(tiny, monkeypatch):
 
     monkeypatch.setattr(kv_cache, "CHECK_BOUNDS", True)
     target, _ = load_pair(tiny)
-    cache = target.new_cache(2, 32)
-    slots = torch.tensor([0, 1])
+    cache = target.new_cache(5, block_size=16)
+    table = cache.sequential_table(2, 32)
 
     def verify(tokens, positions):
-        return target(tokens, positions, cache, slots, rows=slice(0, 2), length=32)[0]
+        return target(tokens, positions, cache, table, length=32)[0]
 
     tokens = torch.tensor([[5, 6, 7], [8, 9, 10]])
     inside, outside = torch.tensor([[3, 4, 5], [29, 30, 31]]), torch.tensor([[3, 4, 5], [30, 31, 32]])
@@ -145,9 +145,9 @@ def test_bounds_checks_hold_inside_a_compiled_pass(tiny, monkeypatch):
     compiled = torch.compile(verify, fullgraph=True)
     with torch.inference_mode():
         assert torch.equal(compiled(tokens, inside).argmax(-1), verify(tokens, inside).argmax(-1))
-        with pytest.raises(IndexError, match="position 32 beyond capacity 32"):
+        with pytest.raises(IndexError, match="position 32 beyond the table's 32 positions"):
             verify(tokens, outside)
-        with pytest.raises(RuntimeError, match="beyond capacity 32"):
+        with pytest.raises(RuntimeError, match="beyond the table's 32 positions"):
             compiled(tokens, outside)
 
 

@@ -57,22 +57,24 @@ def test_long_runs_of_plain_steps_keep_the_drafter_context(tiny):
     params = SamplingParams(max_new_tokens=100, ignore_eos=True)
     engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=1)
     engine._verify_length = Cycle([1] * (MAX_PENDING_CONTEXT + 6) + [2] + [1] * 5 + [BLOCK] * 100)
-    seq = engine.generate([PROMPTS[0]], params)[0]
+    seq = engine.add_request(PROMPTS[0], params)
+    while engine.has_unfinished():
+        table = list(seq.block_table)  # the last before the step that ends it frees its blocks (unchanged after)
+        engine.step()
     assert seq.output_ids == outputs(SpeculativeEngine(target, block_size=1), params)[0]
     # the reference: the target's features of the whole text in one pass, through each draft layer
     tokens = torch.tensor([seq.prompt_ids + seq.output_ids])
     positions = torch.arange(tokens.shape[1])[None]
     with torch.inference_mode():
-        _, features = target(tokens, positions, target.new_cache(1, tokens.shape[1]), torch.tensor([0]),
-                             drafter.config.target_layer_ids)
+        _, features = target.whole_pass(tokens, drafter.config.target_layer_ids)
         context = drafter.context(features[0])
-        # all but the newest token, whose K/V comes with its block (a step cut by max_tokens commits more)
-        assert int(engine.draft_cache.lengths[0]) >= tokens.shape[1] - 1
-        written = tokens.shape[1] - 1
+        # all but the newest token, whose K/V comes with its block, within the blocks it held before the last step
+        written = min(tokens.shape[1] - 1, len(table) * engine.draft_cache.block_size)
+        assert written > tokens.shape[1] - 1 - BLOCK
         for layer in range(drafter.config.shape.num_layers):
             k, v = drafter.context_kv(layer, context, positions[0])
-            cached_k = engine.draft_cache.k[layer][0, :, :written].transpose(0, 1)
-            cached_v = engine.draft_cache.v[layer][0, :, :written].transpose(0, 1)
+            cached_k = engine.draft_cache.k[layer][table].flatten(0, 1)[:written]
+            cached_v = engine.draft_cache.v[layer][table].flatten(0, 1)[:written]
             torch.testing.assert_close(cached_k, k[:written], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(cached_v, v[:written], atol=1e-4, rtol=1e-4)
 

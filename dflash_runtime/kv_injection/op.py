@@ -105,7 +105,9 @@ def check_arguments(context, k_weight, v_weight, k_norm_weight, inv_freq, positi
         if index.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"kv_injection: {name} must be int32 or int64, got {index.dtype}")
     if CHECK_BOUNDS and n:
-        for name, index, limit in (("positions", positions, capacity), ("slots", slots, num_slots)):
-            low, high = int(index.min()), int(index.max())
-            if low < 0 or high >= limit:
-                raise IndexError(f"kv_injection: {name} span [{low}, {high}], outside [0, {limit})")
+        # positions are stored modulo the capacity (a paged cache's slot is a block): only a negative one is wrong
+        if int(positions.min()) < 0:
+            raise IndexError(f"kv_injection: negative position {int(positions.min())}")
+        low, high = int(slots.min()), int(slots.max())
+        if low < 0 or high >= num_slots:
+            raise IndexError(f"kv_injection: slots span [{low}, {high}], outside [0, {num_slots})")

@@ -33,9 +33,12 @@ def kv_injection_reference(context: torch.Tensor, k_weight: torch.Tensor, v_weig
                            slots: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, eps: float) -> None:
     """Write the injected K/V of N context tokens into the cache, in place.
 
-    positions, slots: [N] (int64, any mix of sequences); cache_k, cache_v: [slots, KV, capacity, D].
+    positions, slots: [N] (int64, any mix of sequences); cache_k, cache_v: [slots, KV, capacity, D] (any strides).
+    A token goes to [slot, :, position % capacity]: a cache of one slot per sequence holds every position as it
+    is; a paged cache ([blocks, KV, block_size, D], kv_cache.py) takes the token's block as its slot.
     Math in float32, stored in the cache's dtype.
     """
     k, v = injected_kv(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, eps)
-    cache_k[slots, :, positions] = k.to(cache_k.dtype)
-    cache_v[slots, :, positions] = v.to(cache_v.dtype)
+    offsets = positions % cache_k.shape[2]
+    cache_k[slots, :, offsets] = k.to(cache_k.dtype)
+    cache_v[slots, :, offsets] = v.to(cache_v.dtype)

@@ -2,7 +2,8 @@
 
 One program per (token, KV head): it streams its head's rows of W_k and W_v against the token's
 context vector (fp32 accumulation), applies k_norm and rotate-half RoPE to K in registers, and stores
-K and V straight into the cache slot at the token's position. Tokens of different sequences, with
+K and V straight into the cache slot at the token's position (modulo the slot's capacity: a paged
+cache's slot is a block). Tokens of different sequences, with
 different cache offsets, share one launch.
 
 The argument order is TensorRT's AOT plugin convention (inputs, integer scalars, outputs; floats are
@@ -18,7 +19,7 @@ import triton.language as tl
 
 @triton.jit
 def kv_injection_kernel(context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k_in, cache_v_in,
-                        hidden, context_stride, cache_slot_stride, cache_head_stride, cache_pos_stride,
+                        hidden, context_stride, cache_slot_stride, cache_head_stride, cache_pos_stride, cache_capacity,
                         cache_k, cache_v, EPS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -53,7 +54,7 @@ def kv_injection_kernel(context, k_weight, v_weight, k_norm_weight, inv_freq, po
     rotated_lo = k_lo * cos - k_hi * sin
     rotated_hi = k_hi * cos + k_lo * sin
     slot = tl.load(slots + token)
-    base = slot * cache_slot_stride + head * cache_head_stride + position * cache_pos_stride
+    base = slot * cache_slot_stride + head * cache_head_stride + (position % cache_capacity) * cache_pos_stride
     out_type = cache_k.dtype.element_ty
     tl.store(cache_k + base + d, rotated_lo.to(out_type))
     tl.store(cache_k + base + HALF + d, rotated_hi.to(out_type))
@@ -87,5 +88,5 @@ def kv_injection_triton(context: torch.Tensor, k_weight: torch.Tensor, v_weight:
     k_norm_weight, inv_freq = k_norm_weight.contiguous(), inv_freq.contiguous()
     kv_injection_kernel[(n, kv_heads)](
         context, k_weight, v_weight, k_norm_weight, inv_freq, positions, slots, cache_k, cache_v,
-        hidden, context.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        hidden, context.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_k.shape[2],
         cache_k, cache_v, EPS=eps, HALF=head_dim // 2, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)

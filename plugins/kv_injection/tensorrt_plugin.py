@@ -51,7 +51,7 @@ def compile_ptx(arch: int, float_type: str = "fp32", index_type: str = "i64", he
     # RoPE frequencies stay float32 whatever the model's dtype: angles at large positions need it
     signature.update({"inv_freq": "*fp32", "positions": f"*{index_type}", "slots": f"*{index_type}"})
     signature.update({name: "i32" for name in ("hidden", "context_stride", "cache_slot_stride", "cache_head_stride",
-                                                "cache_pos_stride")})
+                                                "cache_pos_stride", "cache_capacity")})
     signature.update({name: "constexpr" for name in ("EPS", "HALF", "BLOCK_H")})
     signature = {name: signature[name] for name in kv_injection_kernel.arg_names}
     source = ASTSource(kv_injection_kernel, signature,
@@ -120,8 +120,8 @@ def register() -> None:
         launch.block_x = kernel.num_warps * 32
         launch.shared_mem = kernel.shared_memory
         hidden, cache = context.shape_expr[1], cache_k.shape_expr
-        # hidden, context row stride, cache slot / head / position strides (contiguous tensors)
-        scalars = (hidden, hidden, cache[1] * cache[2] * cache[3], cache[2] * cache[3], cache[3])
+        # hidden, context row stride, cache slot / head / position strides (contiguous tensors), capacity
+        scalars = (hidden, hidden, cache[1] * cache[2] * cache[3], cache[2] * cache[3], cache[3], cache[2])
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in scalars])
         return kernel.name.encode(), kernel.ptx.encode(), launch, extra
 

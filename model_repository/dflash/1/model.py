@@ -50,7 +50,10 @@ class TritonPythonModel:
             step_costs = StepCosts.from_json(json.loads(artifact_path(args, profile).read_text())) if profile else None
             return pipeline.engine(block_size=block_size, max_batch_size=max_batch_size,
                                    max_context=int(params["max_context"]), step_costs=step_costs,
-                                   speculative_sampling=params["speculative_sampling"])
+                                   speculative_sampling=params["speculative_sampling"],
+                                   kv_cache_tokens=int(params["kv_cache_tokens"]),
+                                   prefill_chunk=int(params["prefill_chunk"]) or None,
+                                   prefix_caching=params["prefix_caching"] == "true")
 
         reports = queue.SimpleQueue()
         self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put,
@@ -59,7 +62,7 @@ class TritonPythonModel:
         engine = self.loop.engine
         graphs = str(engine.graphs.report) if engine.graphs.capture else "no CUDA graphs"
         pb_utils.Logger.log_info(f"dflash: engine ready on {engine.device}, max batch {engine.scheduler.num_slots}, "
-                                 f"context {engine.max_context}: {graphs}")
+                                 f"context {engine.max_context}, {engine.kv_cache_summary()}: {graphs}")
         self.metrics = EngineMetrics(args["model_name"], args["model_version"], engine.block_size, reports)
         # the requests that come through the ensemble or straight here (dflash_bls counts its own)
         self.requests = RequestMetrics(TritonRegistry(pb_utils.MetricFamily), ("ensemble", "dflash"))
@@ -136,7 +139,7 @@ class TritonStream:
     def send(self, chunk):
         stats = chunk.stats
         values = response_statistics(stats.draft_steps, stats.accepted_draft_tokens, stats.draft_tokens,
-                                     chunk.prompt_tokens, chunk.output_tokens)
+                                     chunk.prompt_tokens, chunk.output_tokens, chunk.cached_tokens)
         tensors = [pb_utils.Tensor("output_ids", np.array([chunk.token_ids], dtype=np.int32)),
                    pb_utils.Tensor("read_offset", np.array([[chunk.read_offset]], dtype=np.int32)),
                    pb_utils.Tensor(FINISH_REASON, np.array([[chunk.finish_reason or ""]], dtype=object))]
@@ -215,7 +218,15 @@ class EngineMetrics:
         self.cancelled = family("dflash_cancelled_requests_total", "Requests cancelled by their clients", C)
         self.active = family("dflash_active_sequences", "Sequences in the running batch", G)
         self.queued = family("dflash_queued_sequences", "Requests waiting for a batch slot", G)
-        self.kv_cache = family("dflash_kv_cache_utilization", "Committed tokens / KV-cache token capacity", G)
+        self.kv_cache = family("dflash_kv_cache_utilization", "KV blocks held by running sequences / all blocks", G)
+        self.kv_blocks_used = family("dflash_kv_blocks_used", "KV-cache blocks held by running sequences", G)
+        self.kv_blocks_free = family("dflash_kv_blocks_free", "KV-cache blocks free (prefix-cached ones included)", G)
+        self.prefix_queried = family("dflash_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the "
+                                     "prefix cache", C)
+        self.prefix_hits = family("dflash_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache", C)
+        self.preemptions = family("dflash_preemptions_total", "Sequences preempted for KV blocks (requeued and "
+                                  "recomputed, output unchanged)", C)
+        self.totals = {"prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0}  # reported so far
         # each metric update is a round trip to the server process: off the decoding thread
         threading.Thread(target=self._record_reports, args=(reports,), daemon=True).start()
 
@@ -240,6 +251,14 @@ class EngineMetrics:
         self.active.set(report.active)
         self.queued.set(report.queued)
         self.kv_cache.set(report.kv_cache_utilization)
+        self.kv_blocks_used.set(report.kv_blocks_used)
+        self.kv_blocks_free.set(report.kv_blocks_free)
+        for name, counter in (("prefix_queried_tokens", self.prefix_queried), ("prefix_hit_tokens", self.prefix_hits),
+                              ("preemptions", self.preemptions)):
+            total = getattr(report, name)
+            if total > self.totals[name]:
+                counter.increment(total - self.totals[name])
+                self.totals[name] = total
 
 
 def _numpy_type(data_type):
