@@ -4,11 +4,11 @@ A decode step of a small batch is bound by kernel launches on a GPU: hundreds of
 pass, each waiting on the host (31 tok/s for a 135M model on an H200, where the weights stream in
 0.1 ms). A CUDA graph replays a whole pass with one launch, but only for fixed shapes and addresses.
 
-With static shapes the engine runs each step's passes over rows 0..R-1 of its caches, R the batch
-bucket that covers the highest slot in use (free slots below it are padding rows: their writes land
-in their own unused slot and their outputs are never read), and reads keys up to a length bucket. A
-pass is then a pure function of a few index tensors of fixed shape, and each (pass, R, k, length) is
-one graph. The engine captures every graph it can need when it starts (nano-vllm captures its batch
+With static shapes the engine runs each step's passes over R rows, R the batch bucket that covers the
+batch (rows past it are padding rows: their block tables hold only the null block, where their writes
+land, and their outputs are never read), and reads keys up to a length bucket through block tables as
+wide as that bucket. A pass is then a pure function of a few index tensors of fixed shape (tokens,
+positions, block tables), and each (pass, R, k, length) is one graph. The engine captures every graph it can need when it starts (nano-vllm captures its batch
 sizes at start-up too), largest first, so that no request waits on a capture and the shared memory
 pool is sized by the largest pass. Without CUDA the same fixed-shape functions run eagerly, which is
 how the tests check them on a CPU (and torch.compile(fullgraph=True) proves there that they hold no

@@ -123,6 +123,24 @@ def test_preemption_under_a_small_budget_loses_and_changes_nothing(tiny):
     assert engine.occupancy().used_blocks == 0
 
 
+def test_sixty_four_streams_on_a_small_budget_queue_or_are_preempted_and_lose_nothing(tiny):
+    """64 requests at once, 16 in the batch, KV memory for about 5 of them: the pool is exhausted all along; every
+    request finishes with plain decoding's tokens, the waiting ones queued, the growing ones preempted."""
+    target, drafter = load_pair(tiny)
+    prompts = [[(7 * i + j) % 120 for j in range(5 + i % 30)] for i in range(64)]
+    params = [SamplingParams(max_new_tokens=8 + i % 5, ignore_eos=True, temperature=0.9 * (i % 2), seed=i)
+              for i in range(64)]
+    engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=16, kv_cache_tokens=24 * 16)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    waiting = []
+    while engine.has_unfinished():
+        engine.step()
+        waiting.append(engine.occupancy().waiting)
+    assert [s.output_ids for s in seqs] == plain(target, prompts, params)
+    assert all(s.finish_reason == "length" for s in seqs) and max(waiting) > 48
+    assert engine.occupancy().preemptions > 0 and engine.occupancy().used_blocks == 0
+
+
 def test_the_budget_bounds_the_context_and_refuses_what_never_fits(tiny):
     target, drafter = load_pair(tiny)
     engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_context=4096, kv_cache_tokens=160)
