@@ -556,13 +556,20 @@ class SpeculativeEngine:
         """Tokens of `seq` whose target K/V and drafter context are both written."""
         return min(seq.num_computed - len(self.pending_context.get(seq, ())), seq.num_tokens)
 
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Enter `seq`'s newly full blocks into the prefix cache. Called after every step: the token list is built
+        only when a block has filled."""
+        written = self._cacheable(seq)
+        if self.block_manager.prefix_caching and written // BLOCK_SIZE > len(seq.block_hashes):
+            self.block_manager.cache_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, written)
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         """End `seq`, entering its full blocks into the prefix cache first (its deferred context written, so
         that a conversation's next turn finds its answer too)."""
         if self.block_manager.prefix_caching and self.drafter is not None:
             self._write_pending_context([seq])
         self.pending_context.pop(seq, None)
-        self.block_manager.cache_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, self._cacheable(seq))
+        self._cache_blocks(seq)
         self.scheduler.finish(seq, reason)
 
     def _profile_step_costs(self) -> StepCosts:
@@ -608,7 +615,7 @@ class SpeculativeEngine:
                 self._finish(seq, "length")
             if seq.finished:
                 return tokens[:n]
-        self.block_manager.cache_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, self._cacheable(seq))
+        self._cache_blocks(seq)
         return tokens
 
     def _matches_stop_string(self, seq: Sequence) -> bool:
