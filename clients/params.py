@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
+from dflash_contract.guided_decoding import Guide
 from dflash_contract.presets import speculative_sampling_error
 from dflash_contract.protocol import messages_count_error, prompt_size_error, range_error, stop_words_error
 
@@ -40,6 +41,7 @@ class GenerationParams:
     # how a sampled request verifies drafts: "exact" (the same output as without speculation) or "rejection" (the
     # same distribution, another sample); None: the server's build decides
     speculative_sampling: str | None = None
+    guide: Guide | None = None  # guided decoding: the output matches it (dflash_contract.guided_decoding)
 
     def __post_init__(self):
         # The tensor types bound what fits (INT32, UINT64); within them, the server's ranges.

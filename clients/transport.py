@@ -25,6 +25,7 @@ from typing import AsyncIterator, Callable, Literal, Protocol as TypingProtocol
 
 import numpy as np
 
+from dflash_contract.guided_decoding import GUIDE_INPUT, TYPE_INPUT
 from dflash_contract.protocol import FINISH_REASON, FRONT_INPUTS, STATISTICS, invalid_request
 from dflash_contract.server import PORTS
 
@@ -118,6 +119,10 @@ class Request:
             fields["end_id"] = p.end_id
         if p.stop:
             fields["stop_words"] = list(p.stop)
+        if p.guide is not None:
+            fields[TYPE_INPUT] = p.guide.type
+            if p.guide.text:
+                fields[GUIDE_INPUT] = p.guide.text
         return fields
 
 
@@ -385,7 +390,7 @@ def _templater(templater: Templater | None, name: str) -> Templater:
 def _llmapi_fields(request: Request, prompt: str) -> dict[str, object]:
     p = request.params
     unavailable = {"min_tokens": p.min_tokens or None, "end_id": p.end_id,  # no such LLM-API inputs
-                   "speculative_sampling": p.speculative_sampling}
+                   "speculative_sampling": p.speculative_sampling, TYPE_INPUT: p.guide and p.guide.type}
     for name, value in unavailable.items():
         if value is not None:
             raise InvalidRequest(invalid_request(

@@ -35,9 +35,14 @@ FIXED_INPUTS = {
 # and the REQUIRED_INPUTS below.
 FRONT_INPUTS = {
     "text_input": "BYTES",
-    # a conversation, JSON in OpenAI's shape: [{"role": "system" | "user" | "assistant", "content": str or
-    # [{"type": "text", "text": str}, ...]}, ...], put in the target's chat template with the generation prompt
+    # a conversation, JSON in OpenAI's shape: [{"role": "system" | "user" | "assistant" | "tool", "content": str or
+    # [{"type": "text", "text": str}, ...] (null beside an assistant's tool_calls), "name", "tool_calls",
+    # "tool_call_id"}, ...], put in the target's chat template with the generation prompt
     "messages": "BYTES",
+    # with messages: OpenAI's tool definitions (JSON list), and arguments of the chat template (JSON object, vLLM's
+    # chat_template_kwargs: Qwen3's {"enable_thinking": false}), both passed to the target's template (chat.py)
+    "tools": "BYTES",
+    "chat_template_kwargs": "BYTES",
     "max_tokens": "INT32",
     # true: max_tokens is a ceiling, lowered to what the context leaves after the prompt instead of refused
     # (the OpenAI gateway's defaults, for a request that sets none, as vLLM caps its default)
@@ -58,13 +63,17 @@ FRONT_INPUTS = {
     "stop_words": "BYTES",
     "bad_words": "BYTES",
     "apply_chat_template": "BOOL",
+    # guided decoding (structured outputs): the kind and the guide, tensorrtllm_backend's names (guided_decoding.py)
+    "guided_decoding_guide_type": "BYTES",
+    "guided_decoding_guide": "BYTES",
     **{name: data_type for name, (data_type, _, _) in FIXED_INPUTS.items()},
 }
 PROMPT_INPUTS = ("text_input", "messages")
-MESSAGE_ROLES = ("system", "user", "assistant")
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 # What the front model passes on to the `dflash` engine model unchanged (text goes through preprocessing).
 ENGINE_INPUTS = ("max_tokens", "clip_max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p", "seed",
-                 "random_seed", "speculative_sampling", "end_id", "pad_id", "stop_words", "bad_words")
+                 "random_seed", "speculative_sampling", "end_id", "pad_id", "stop_words", "bad_words",
+                 "guided_decoding_guide_type", "guided_decoding_guide")
 # `dflash` model outputs besides the statistics: a window of token ids and how many were shown before.
 TOKEN_OUTPUTS = ("output_ids", "read_offset")
 FINISH_REASON = "finish_reason"  # BYTES: "" while running, then "stop", "length" or "cancelled"
@@ -163,9 +172,10 @@ def stop_words_error(name: str, words) -> str | None:
     return None
 
 
-def parse_messages(raw: str) -> list[dict[str, str]]:
-    """A conversation in OpenAI's shape (the `messages` input) as [{"role", "content": str}]; DFlashError naming
-    the message and field for anything else. The front models' check, and the gateway's where it templates."""
+def parse_messages(raw: str) -> list[dict]:
+    """A conversation in OpenAI's shape (the `messages` input) as [{"role", "content": str, and where given "name",
+    "tool_calls", "tool_call_id"}]; DFlashError naming the message and field for anything else. The front models'
+    check, and the gateway's where it templates."""
     try:
         messages = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -178,13 +188,16 @@ def parse_messages(raw: str) -> list[dict[str, str]]:
     return [_message(i, m) for i, m in enumerate(messages)]
 
 
-def _message(i: int, message) -> dict[str, str]:
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
+
+
+def _message(i: int, message) -> dict:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise DFlashError(f"{where} must be an object with role and content")
-    unknown = sorted(set(message) - {"role", "content"})
+    unknown = sorted(set(message) - set(MESSAGE_FIELDS))
     if unknown:
-        raise DFlashError(f"{where}.{unknown[0]} is not supported (a message has role and content)")
+        raise DFlashError(f"{where}.{unknown[0]} is not supported (a message has {', '.join(MESSAGE_FIELDS)})")
     role, content = message.get("role"), message.get("content")
     if role not in MESSAGE_ROLES:
         raise DFlashError(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}")
@@ -195,9 +208,42 @@ def _message(i: int, message) -> dict[str, str]:
                 raise DFlashError(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
                                   f"are supported, got {kind!r}")
         content = "".join(part["text"] for part in content)
+    result = {"role": role}
+    for name in ("name", "tool_call_id"):
+        if message.get(name) is not None:
+            if not isinstance(message[name], str):
+                raise DFlashError(f"{where}.{name} must be a string")
+            result[name] = message[name]
+    if message.get("tool_calls") is not None:
+        if role != "assistant":
+            raise DFlashError(f"{where}.tool_calls: only an assistant message has tool calls")
+        result["tool_calls"] = [_tool_call(f"{where}.tool_calls[{j}]", call)
+                                for j, call in enumerate(_list(f"{where}.tool_calls", message["tool_calls"]))]
+    if content is None and "tool_calls" in result:
+        content = ""  # OpenAI's null content beside an assistant's tool calls
     if not isinstance(content, str):
         raise DFlashError(f"{where}.content must be a string or a list of text parts")
-    return {"role": role, "content": content}
+    result["content"] = content
+    return result
+
+
+def _list(where: str, value) -> list:
+    if not isinstance(value, list):
+        raise DFlashError(f"{where} must be a list")
+    return value
+
+
+def _tool_call(where: str, call) -> dict:
+    """An assistant's tool call as the templates read it: {"id", "type": "function", "function": {"name",
+    "arguments": the JSON text}} (Qwen3's template writes a string as it is, and an object as JSON)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise DFlashError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}")
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise DFlashError(f"{where}.function.arguments must be a string (JSON text)")
+    return {"id": str(call.get("id", "")), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
 
 
 def config_type(data_type: str) -> str:

@@ -29,6 +29,7 @@ from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_SPECULATIVE_SAMPLIN
 from .config import DFlashError
 from .drafter import DFlashDrafter
 from .block_manager import BlockManager
+from .grammar import GrammarCompiler, mask_logits, new_bitmask
 from .kv_cache import BLOCK_SIZE, null_padded
 from .kv_injection.op import KERNEL_IS_FASTER
 from .sampling import (DRAFT, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens, proposal_hits,
@@ -111,7 +112,8 @@ class SpeculativeEngine:
                  step_costs: StepCosts | None = None, static_shapes: bool | None = None,
                  draft_sharpness: float | None = None,
                  speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING, kv_cache_tokens: int | None = None,
-                 prefix_caching: bool = True, prefill_chunk: int | None = None):
+                 prefix_caching: bool = True, prefill_chunk: int | None = None,
+                 grammars: GrammarCompiler | None = None):
         """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
         length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
         to start "auto" from, used if it was made on this device (else the engine profiles itself).
@@ -125,7 +127,8 @@ class SpeculativeEngine:
         (default: max_batch_size contexts of max_context, what one slot per sequence took); max_context is cut
         to what it holds for one sequence. prefix_caching: reuse the blocks of prompts seen before (off for A/B
         runs). prefill_chunk: prompt tokens a step prefills at most, so that the running sequences keep
-        decoding during a long prompt (None: a prompt's whole uncached part in one pass)."""
+        decoding during a long prompt (None: a prompt's whole uncached part in one pass). grammars: the compiler of
+        guided requests' grammars (grammar.py; None: they are refused)."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
@@ -139,6 +142,8 @@ class SpeculativeEngine:
         self.max_context = _context_in(blocks, max_context, block_size)
         self.prefill_chunk = prefill_chunk
         self.decode = decode
+        self.grammars = grammars
+        self.mask_seconds = 0.0  # host time spent on guided decoding's masks, for benchmarks
         self.proposal_rule = ProposalRule(draft_sharpness)
         self.speculative_sampling = check_speculative_sampling(speculative_sampling)
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
@@ -198,7 +203,13 @@ class SpeculativeEngine:
             raise DFlashError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop_strings and self.decode is None:
             raise DFlashError("stop strings need a tokenizer")
-        return Sequence(prompt_ids, params.for_engine(self.speculative_sampling))
+        grammar = None
+        if params.guide is not None:
+            if self.grammars is None:
+                raise DFlashError("guided decoding needs the target's tokenizer and the xgrammar package, which this "
+                                  "engine was built without")
+            grammar = self.grammars.grammar(params.guide, self._stop_ids(params))  # compiled on the caller's thread
+        return Sequence(prompt_ids, params.for_engine(self.speculative_sampling), grammar=grammar)
 
     def cancel(self, seq: Sequence) -> None:
         """End `seq` and free its blocks; those full and cached stay findable."""
@@ -334,6 +345,7 @@ class SpeculativeEngine:
             firsts.append([])
             if end == len(seq.prompt_ids) and not seq.output_ids:
                 self._hold_stop_tokens(logits, [seq], [row])
+                self._mask_guided(logits, [(seq, row, [])] if seq.grammar is not None else [])
                 firsts[-1] = choose_tokens(logits[row], seq.params, end)  # reads the device: the clock's marks are done
         seconds, = clock.intervals()
         for seq in seqs:
@@ -359,11 +371,13 @@ class SpeculativeEngine:
             self._write_pending_context(batch)
             key = ("draft", num_rows, k, draft_length)
             draft_logits = self.graphs.run(key, self._pass(key), tokens, starts, self._table_for(table, draft_length))
-            block = torch.cat([tokens, self._propose(draft_logits, sampled)], dim=1)
+            block = torch.cat([tokens, self._guided_drafts(batch, row_of, draft_logits, sampled)], dim=1)
         clock.mark()
         key = ("verify", num_rows, k, verify_length)
+        guided = self._guided_rows(batch, row_of, block)  # before the pass: a copy after it would wait for it
         logits, features = self.graphs.run(key, self._pass(key), block, starts, self._table_for(table, verify_length))
         self._hold_stop_tokens(logits, batch, row_of)
+        self._mask_guided(logits, guided)
         chosen = self._choose(logits, block, draft_logits, sampled)
         accepted = (block[:, 1:] == chosen[:, :-1]).cumprod(dim=1).sum(dim=1)
         # block[0..a] are now committed context (the step's caller counts them); the bonus token's K/V comes
@@ -500,6 +514,49 @@ class SpeculativeEngine:
         drafts[sampled.rows] = guesses
         return drafts
 
+    def _guided_drafts(self, batch: list[Sequence], row_of: list[int], logits: torch.Tensor,
+                       sampled: SampledRows | None) -> torch.Tensor:
+        """The drafts [R, k - 1] (_propose), each of a guided sequence grammatical after those before it: where its
+        grammar refuses a draft, the drafter's logits there are masked and the drafts proposed again. Proposals are
+        per position, so those before it stay as they were; a round per refused position at most."""
+        drafts = self._propose(logits, sampled)
+        guided = [(seq.grammar, row) for seq, row in zip(batch, row_of) if seq.grammar is not None]
+        width = logits.shape[1]
+        for _ in range(width if guided else 0):
+            start = time.perf_counter()
+            flat = logits.view(-1, logits.shape[-1])  # row r's position j at r * width + j
+            bitmask = new_bitmask(len(flat), flat.shape[-1])
+            host = drafts[[row for _, row in guided]].tolist()
+            refused = [row * width + j for (grammar, row), mine in zip(guided, host)
+                       if (j := grammar.first_refused(mine, bitmask, row * width)) is not None]
+            mask_logits(flat, bitmask, refused)
+            self.mask_seconds += time.perf_counter() - start
+            if not refused:
+                break
+            drafts = self._propose(logits, sampled)
+        return drafts
+
+    def _guided_rows(self, batch: list[Sequence], row_of: list[int], block: torch.Tensor) -> list[tuple]:
+        """(sequence, row, its drafts on the host) of the guided sequences in a step."""
+        guided = [(seq, row) for seq, row in zip(batch, row_of) if seq.grammar is not None]
+        if not guided:
+            return []
+        drafts = block[[row for _, row in guided], 1:].tolist()
+        return [(seq, row, mine) for (seq, row), mine in zip(guided, drafts)]
+
+    def _mask_guided(self, logits: torch.Tensor, guided: list[tuple]) -> None:
+        """Mask logits [R, k, V] in place at each guided row's block positions: position j by the grammar's state
+        after the row's drafts 1..j (grammar.py)."""
+        if not guided:
+            return
+        start = time.perf_counter()
+        k = logits.shape[1]
+        flat = logits.view(-1, logits.shape[-1])  # row r's position j at r * k + j
+        bitmask = new_bitmask(len(flat), flat.shape[-1])
+        masked = [row * k + j for seq, row, drafts in guided for j in seq.grammar.fill_along(drafts, bitmask, row * k)]
+        mask_logits(flat, bitmask, masked)
+        self.mask_seconds += time.perf_counter() - start
+
     def _choose(self, logits: torch.Tensor, block: torch.Tensor, draft_logits: torch.Tensor | None,
                 sampled: SampledRows | None) -> torch.Tensor:
         """The target's token at each block position, [R, k] on the device: the argmax for greedy rows, for
@@ -603,10 +660,14 @@ class SpeculativeEngine:
 
     # -- postprocessing -----------------------------------------------------------------------
     def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Append tokens up to the first stop condition, finishing `seq` there; returns what was appended."""
+        """Append tokens up to the first stop condition, finishing `seq` there; returns what was appended. A guided
+        sequence whose grammar has ended (or takes no more: min_tokens held its only stop) stops before the token."""
         p = seq.params
         stop_ids = self._stop_ids(p)
         for n, token in enumerate(tokens, 1):
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                self._finish(seq, "stop")
+                return tokens[:n - 1]
             seq.output_ids.append(token)
             stops = len(seq.output_ids) > p.min_new_tokens  # before, none applies (stop ids could not be chosen)
             if stops and (token in stop_ids or (p.stop_strings and self._matches_stop_string(seq))):

@@ -1,6 +1,7 @@
 """Load a target, its drafter and its tokenizer from a preset or directories, and build engines on them."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from dflash_contract.presets import AUTO_BLOCK_SIZE, Preset
 from .checkpoint import resolve_checkpoint, resolve_target
 from .drafter import DFlashDrafter, load_drafter
 from .engine import SpeculativeEngine
+from .grammar import GrammarCompiler
 from .target import TargetModel, load_target
 from .verify_length import StepCosts
 from .text import decode_complete, encode_prompt, load_tokenizer
@@ -55,7 +57,15 @@ class Pipeline:
             max_context = self.preset.max_context
         return SpeculativeEngine(self.target, self.drafter, block_size=block_size, max_batch_size=max_batch_size,
                                  max_context=max_context, decode=self.decode if self.tokenizer else None,
-                                 step_costs=step_costs, **sampling)
+                                 step_costs=step_costs, grammars=self.grammars(), **sampling)
+
+    def grammars(self) -> GrammarCompiler | None:
+        """The compiler of guided requests' grammars: None without a tokenizer or without xgrammar (an engine
+        then refuses guided requests, saying so)."""
+        if self.tokenizer is None or importlib.util.find_spec("xgrammar") is None:
+            return None
+        return GrammarCompiler.for_tokenizer(self.tokenizer, self.target.config.shape.vocab_size,
+                                             self.target.config.eos_token_ids)
 
     def encode(self, text: str, chat: bool = True, allow_special_tokens: bool = False) -> list[int]:
         """Token ids of a prompt; with chat, `text` is a user message wrapped in the chat template. Special-token

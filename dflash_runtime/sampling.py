@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from dflash_contract.guided_decoding import Guide
 from dflash_contract.presets import check_speculative_sampling
 
 from .config import DFlashError
@@ -34,6 +35,7 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     speculative_sampling: str | None = None  # SPECULATIVE_SAMPLING; None: the engine's (the build's)
+    guide: Guide | None = None  # guided decoding: every token chosen under its grammar (grammar.py)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .grammar import SequenceGrammar
 from .sampling import SamplingParams, SamplingStats
 
 
@@ -26,6 +27,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the caches
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when it was first admitted
     preemptions: int = 0  # times its blocks were taken back and it was requeued to be recomputed
+    grammar: SequenceGrammar | None = None  # a guided request's grammar state (grammar.py)
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from dflash_contract.chat import hermes_messages, template_has_tools
+
 from .config import DFlashError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -33,12 +35,13 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict[str, str]], chat: bool = True,
-                  allow_special_tokens: bool = False) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = True, allow_special_tokens: bool = False,
+                  template_args: dict | None = None) -> list[int]:
     """Token ids of a prompt: raw text, or with chat a conversation ([{"role", "content"}]; a str is one user
     message) in the model's chat template, ending with the assistant's generation prompt. Without a chat
     template a str is encoded raw and a conversation is refused. Special-token text in the prompt (a raw prompt's,
-    every message's content) is encoded as ordinary text unless allow_special_tokens (a trusted prompt)."""
+    every message's content) is encoded as ordinary text unless allow_special_tokens (a trusted prompt).
+    template_args: the template's `tools` and other arguments (dflash_contract.chat)."""
     if not prompt:
         raise DFlashError("empty prompt")
     template = getattr(tokenizer, "chat_template", None)
@@ -50,8 +53,8 @@ def encode_prompt(tokenizer, prompt: str | list[dict[str, str]], chat: bool = Tr
     specials = _special_text(tokenizer)
     if allow_special_tokens or not any(specials.search(m["content"]) for m in messages):
         # nothing to keep from the tokenizer: the templated text's ids as they always were
-        return tokenizer.encode(_render(tokenizer, messages), add_special_tokens=False)
-    return _encode_guarded(tokenizer, messages, specials)
+        return tokenizer.encode(_render(tokenizer, messages, template_args), add_special_tokens=False)
+    return _encode_guarded(tokenizer, messages, specials, template_args)
 
 
 def _special_text(tokenizer) -> re.Pattern:
@@ -61,24 +64,28 @@ def _special_text(tokenizer) -> re.Pattern:
     return re.compile("|".join(map(re.escape, texts)) or "(?!)")
 
 
-def _render(tokenizer, messages: list[dict[str, str]]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _render(tokenizer, messages: list[dict], template_args: dict | None = None) -> str:
+    args = dict(template_args or {})
+    tools = args.pop("tools", None)
+    if not template_has_tools(tokenizer.chat_template):  # its tools, calls and results in the Hermes format
+        messages, tools = hermes_messages(messages, tools or []), None
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **args)
 
 
-def _encode_guarded(tokenizer, messages: list[dict[str, str]], specials: re.Pattern) -> list[int]:
+def _encode_guarded(tokenizer, messages: list[dict], specials: re.Pattern, template_args: dict | None) -> list[int]:
     """A conversation whose contents hold special-token text: the template renders with each such text masked (a
     character found nowhere in the conversation), so the special tokens in what it renders are its own markers.
     The tokenizer encodes the text between special tokens on its own anyway, so each piece, unmasked, is encoded
     with special tokens split and the markers go between: the same ids as the tokenizer would give if only the
     markers were special (for tokenizers whose pre-tokenizer ignores where a piece starts, as byte-level BPE's)."""
     found = sorted({text for m in messages for text in specials.findall(m["content"])})
-    used = set(_render(tokenizer, messages))
+    used = set(_render(tokenizer, messages, template_args))
     masks = dict(zip(found, (chr(c) for c in MASKS if chr(c) not in used)))
     if len(masks) < len(found):
         raise DFlashError("the prompt uses every Private Use Area character: its special-token text cannot be masked")
     masked = [{**m, "content": specials.sub(lambda t: masks[t.group()], m["content"])} for m in messages]
     unmask = str.maketrans({mask: text for text, mask in masks.items()})
-    pieces = re.split(f"({specials.pattern})", _render(tokenizer, masked))  # text, marker, text, ..., text
+    pieces = re.split(f"({specials.pattern})", _render(tokenizer, masked, template_args))  # text, marker, text, ..., text
     ids = []
     for i, piece in enumerate(pieces):
         if i % 2:

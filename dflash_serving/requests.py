@@ -11,6 +11,8 @@ from typing import Callable
 import numpy as np
 
 from dflash_contract import DFlashError
+from dflash_contract.chat import parse_template_kwargs, parse_tools
+from dflash_contract.guided_decoding import GUIDE_INPUT, TYPE_INPUT, Guide, guide_of
 from dflash_contract.presets import check_speculative_sampling
 from dflash_contract.protocol import (ALIASES, FIXED_INPUTS, FRONT_INPUTS, PROMPT_INPUTS, REQUIRED_INPUTS,
                                       parameters_error, parse_messages, prompt_size_error, range_error,
@@ -21,10 +23,11 @@ TensorGetter = Callable[[str], "np.ndarray | None"]
 NUMERIC_INPUTS = tuple(name for name, data_type in FRONT_INPUTS.items() if data_type != "BYTES")
 
 
-def parse_front_request(tensor: TensorGetter, parameters: str = "{}") -> tuple[str | list[dict[str, str]], bool]:
-    """(prompt, apply the chat template?) of a front-model request, after checking all its inputs and its request
-    parameters (request.parameters(): JSON): the prompt is text_input's text, or the conversation in `messages`
-    (always templated), as [{"role", "content": str}].
+def parse_front_request(tensor: TensorGetter, parameters: str = "{}") -> tuple[str | list[dict], bool, dict]:
+    """(prompt, apply the chat template?, the template's other arguments) of a front-model request, after checking
+    all its inputs and its request parameters (request.parameters(): JSON): the prompt is text_input's text, or the
+    conversation in `messages` (always templated), as [{"role", "content": str, ...}]; the arguments: `tools` and
+    chat_template_kwargs (dflash_contract.chat).
 
     The preprocessing model runs this for both front models (it is the ensemble's first step and
     dflash_bls's first call), so both refuse the same requests with the same messages. (dflash_bls checks its
@@ -48,11 +51,28 @@ def parse_front_request(tensor: TensorGetter, parameters: str = "{}") -> tuple[s
     aliased(tensor, "min_tokens")
     speculative_sampling(tensor)
     check_words(tensor)
+    guide(tensor)
+    chat = given == ["messages"] or bool(scalar(tensor, "apply_chat_template", False))
+    template = template_args(tensor, chat)
     if given == ["messages"]:
-        return parse_messages(text), True
+        return parse_messages(text), True, template
     if not text:
         raise DFlashError("text_input must not be empty")
-    return text, bool(scalar(tensor, "apply_chat_template", False))
+    return text, chat, template
+
+
+def template_args(tensor: TensorGetter, chat: bool) -> dict:
+    """`tools` and chat_template_kwargs, for the chat template: only where there is one to apply."""
+    raw = {name: scalar(tensor, name) for name in ("tools", "chat_template_kwargs")}
+    given = [name for name, value in raw.items() if value is not None]
+    if given and not chat:
+        raise DFlashError(f"{given[0]} needs a chat prompt: messages, or text_input with apply_chat_template")
+    args = {}
+    if raw["chat_template_kwargs"] is not None:
+        args.update(parse_template_kwargs(utf8("chat_template_kwargs", raw["chat_template_kwargs"])))
+    if raw["tools"] is not None:
+        args["tools"] = parse_tools(utf8("tools", raw["tools"]))
+    return args
 
 
 def parse_engine_request(tensor: TensorGetter, max_context: int) -> tuple[list[int], SamplingParams, bool]:
@@ -82,6 +102,7 @@ def parse_engine_request(tensor: TensorGetter, max_context: int) -> tuple[list[i
         stop_token_ids=(int(end_id),) if end_id is not None else (),
         ignore_eos=end_id is not None,
         stop_strings=tuple(strings(tensor, "stop_words")),
+        guide=guide(tensor),
     )
     return ids[0].tolist(), params, bool(scalar(tensor, "stream", False))
 
@@ -131,6 +152,13 @@ def check_words(tensor: TensorGetter) -> None:
         raise DFlashError(error)
     if strings(tensor, "bad_words"):
         raise DFlashError("bad_words is not supported by the DFlash engine")
+
+
+def guide(tensor: TensorGetter) -> Guide | None:
+    """The request's guided decoding (dflash_contract.guided_decoding), None for none; its grammar is the engine's
+    to compile."""
+    texts = {name: scalar(tensor, name) for name in (TYPE_INPUT, GUIDE_INPUT)}
+    return guide_of(*(None if value is None else utf8(name, value) for name, value in texts.items()))
 
 
 def is_stop_request(tensor: TensorGetter) -> bool:

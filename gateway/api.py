@@ -7,16 +7,23 @@ value other than its neutral one. Nothing is ignored silently.
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from clients.errors import InvalidRequest
 from clients.params import GenerationParams, prompt_inputs
 from clients.results import SpeculationStats
 from clients.transport import Request
+from dflash_contract import DFlashError
+from dflash_contract.chat import parse_template_kwargs
+from dflash_contract.guided_decoding import Guide
 from dflash_contract.protocol import INVALID_REQUEST_PREFIX
+
+from .guides import GuideError, request_guide
+from .tools import ToolError, ToolPlan, tool_plan
 
 EXTENSION_FIELD = "dflash"  # our statistics, in the final chunk and in a whole response
 # Fields accepted only at these values (None: absent or null): OpenAI's defaults, which the engine serves
@@ -27,25 +34,22 @@ NEUTRAL = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
 # Fields that change nothing the engine computes: an end-user id, request tags
-# (parallel_tool_calls only matters with tools, which are refused)
-INERT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+INERT = ("user", "metadata", "store", "service_tier")
 # The sampling fields both endpoints take; top_k, min_tokens and ignore_eos are vLLM's and SGLang's extra-body names,
-# speculative_sampling ours (dflash_contract.presets.SPECULATIVE_SAMPLING)
+# speculative_sampling ours (dflash_contract.presets.SPECULATIVE_SAMPLING); response_format and vLLM's
+# structured_outputs ask for guided decoding (guides.py), on both endpoints as vLLM takes them
 SAMPLING = ("model", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "top_k", "min_tokens",
-            "ignore_eos", "speculative_sampling")
+            "ignore_eos", "speculative_sampling", "response_format", "structured_outputs")
 CHAT_FIELDS = frozenset((*SAMPLING, "messages", "max_completion_tokens", "max_tokens", "n", "presence_penalty",
                          "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
-                         "functions", "function_call", "response_format", *INERT))
+                         "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", *INERT))
 COMPLETION_FIELDS = frozenset((*SAMPLING, "prompt", "max_tokens", "n", "presence_penalty", "frequency_penalty",
                                "logprobs", "logit_bias", "echo", "best_of", "suffix", *INERT))
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -77,6 +81,7 @@ class Translated:
     request: Request
     stream: bool  # the client's choice: server-sent events, or one response
     include_usage: bool  # stream_options.include_usage: one more chunk, with the usage and no choices
+    tools: ToolPlan | None = None  # a chat request's tools: its answer may be tool calls (tools.py)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -90,8 +95,28 @@ def chat_request(body: object, model_id: str, default_max_tokens: int) -> Transl
     messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                 for m in messages]
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    return _translated(body, _prompt(messages, chat=True), limit, default_max_tokens,
-                       "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+    try:
+        plan = tool_plan(body)
+    except ToolError as e:
+        raise invalid(str(e), e.param) from None
+    prompt = _prompt(messages, chat=True)
+    if plan is not None:
+        prompt["tools"] = json.dumps(plan.tools, ensure_ascii=False)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        try:
+            prompt["chat_template_kwargs"] = json.dumps(parse_template_kwargs(json.dumps(kwargs)))
+        except DFlashError as e:
+            raise invalid(str(e), "chat_template_kwargs") from None
+    guide = _guide(body)
+    if plan is not None and plan.guide() is not None:
+        if guide is not None:
+            raise invalid(f"tool_choice {plan.choice!r} guides the answer: send no response_format or "
+                          "structured_outputs with it", "tool_choice")
+        guide = plan.guide()
+    t = _translated(body, prompt, limit, default_max_tokens,
+                    "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens", guide)
+    return replace(t, tools=plan)
 
 
 def completion_request(body: object, model_id: str) -> Translated:
@@ -103,7 +128,14 @@ def completion_request(body: object, model_id: str) -> Translated:
         raise invalid("prompt must be a non-empty string (one prompt per request; token-id prompts are not "
                       "supported)", "prompt")
     return _translated(body, _prompt(prompt, chat=False), body.get("max_tokens"), COMPLETION_DEFAULT_MAX_TOKENS,
-                       "max_tokens")
+                       "max_tokens", _guide(body))
+
+
+def _guide(body: dict) -> Guide | None:
+    try:
+        return request_guide(body)
+    except GuideError as e:
+        raise invalid(str(e), e.param) from None
 
 
 def _prompt(prompt, chat: bool) -> dict:
@@ -138,7 +170,7 @@ def _checked(body: object, known: frozenset[str], model_id: str) -> dict:
 
 
 def _translated(body: dict, prompt: dict, max_tokens: object, default_max_tokens: int,
-                max_tokens_name: str) -> Translated:
+                max_tokens_name: str, guide: Guide | None) -> Translated:
     """max_tokens None: the default, which the server lowers to what the context leaves after the prompt (vLLM's
     rule); a number the client sent is not lowered: past the context it is refused."""
     stop = body.get("stop")
@@ -163,7 +195,7 @@ def _translated(body: dict, prompt: dict, max_tokens: object, default_max_tokens
     try:  # end_id -1 replaces the end-of-sequence ids by one that never comes
         params = GenerationParams(stop=tuple(s for s in stop if s), end_id=-1 if ignore_eos else None,
                                   clip_max_tokens=max_tokens is None,
-                                  speculative_sampling=body.get("speculative_sampling"), **values)
+                                  speculative_sampling=body.get("speculative_sampling"), guide=guide, **values)
     except InvalidRequest as e:  # the server's rules (ranges, limits), checked by the clients' GenerationParams
         name = next((n for n in (*values, "stop", "speculative_sampling") if str(e).startswith(n)), None)
         message = str(e) if name is None else _name(name, max_tokens_name) + str(e)[len(name):]
@@ -181,7 +213,9 @@ def _name(name: str, max_tokens_name: str) -> str:
 SERVER_FIELDS = {"messages": "messages", "text_input": "prompt", "stop_words": "stop", "temperature": "temperature",
                  "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_tokens": "min_tokens",
                  "speculative_sampling": "speculative_sampling",
-                 "end_id": "ignore_eos"}  # end_id: what ignore_eos becomes (_translated)
+                 "end_id": "ignore_eos",  # end_id: what ignore_eos becomes (_translated)
+                 # a guide the engine could not compile: response_format's or structured_outputs' (guides.py)
+                 "guided_decoding_guide": "response_format"}
 
 
 def param_of(message: str) -> str | None:
@@ -192,8 +226,9 @@ def param_of(message: str) -> str | None:
 
 # -- answers ---------------------------------------------------------------------------------------
 def finish_reason(ours: str) -> str:
-    """OpenAI's finish_reason for ours: "stop" (an end-of-sequence id or a stop string) or "length"."""
-    return "length" if ours == "length" else "stop"
+    """OpenAI's finish_reason for ours: "stop" (an end-of-sequence id or a stop string) or "length"; "tool_calls"
+    (chat_message's) as it is."""
+    return ours if ours in ("length", "tool_calls") else "stop"
 
 
 def usage(stats: SpeculationStats) -> dict:
@@ -214,10 +249,19 @@ def statistics(stats: SpeculationStats) -> dict:
 
 
 def chat_response(t: Translated, model_id: str, text: str, reason: str, stats: SpeculationStats) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-              "finish_reason": finish_reason(reason)}
+    message, reason = chat_message(t, text, reason)
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
     return {"id": f"chatcmpl-{t.id}", "object": "chat.completion", "created": t.created, "model": model_id,
             "choices": [choice], "usage": usage(stats), EXTENSION_FIELD: statistics(stats)}
+
+
+def chat_message(t: Translated, text: str, reason: str) -> tuple[dict, str]:
+    """The assistant's message and OpenAI's finish_reason: tool calls where the request's tools parse some (then
+    finish_reason "tool_calls"), else the text."""
+    content, calls = t.tools.calls(text) if t.tools is not None and reason != "length" else (text, [])
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason(reason)
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 def completion_response(t: Translated, model_id: str, text: str, reason: str, stats: SpeculationStats) -> dict:

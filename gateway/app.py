@@ -235,24 +235,44 @@ async def _events(t: api.Translated, model_id: str, chat: bool, first: Response,
             body = api.completion_chunk(t, model_id, text, reason, stats)
         return _event(body)
 
+    held = chat and t.tools is not None and t.tools.parses  # the whole answer is needed to find its tool calls
+    texts = []
     async with contextlib.aclosing(responses):
         if chat:
             yield _event(api.chat_chunk(t, model_id, {"role": "assistant", "content": ""}))
         response = first
         try:
             while not _finished(response):
-                if response.text:
+                if response.text and held:
+                    texts.append(response.text)
+                elif response.text:
                     yield chunk(response.text)
                     first_text()
                 response = await _next(responses)
-            yield chunk(response.text, response.finish_reason, response.stats)
-            if response.text:
+            if held:
+                for body in _tool_chunks(t, model_id, "".join(texts) + response.text, response):
+                    yield _event(body)
+            else:
+                yield chunk(response.text, response.finish_reason, response.stats)
+            if response.text or texts:
                 first_text()
             if t.include_usage:
                 yield chunk(None, stats=response.stats)
         except DFlashClientError as e:
             yield _event(_api_error(e).body())
     yield "data: [DONE]\n\n"
+
+
+def _tool_chunks(t: api.Translated, model_id: str, text: str, last: Response) -> list[dict]:
+    """The end of a held stream: its content, its tool calls (one delta, each call whole, as OpenAI's chunks carry
+    them: index, id, type, function name and arguments), then the finish chunk."""
+    message, reason = api.chat_message(t, text, last.finish_reason)
+    chunks = [api.chat_chunk(t, model_id, {"content": message["content"]})] if message["content"] else []
+    if "tool_calls" in message:
+        calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        chunks.append(api.chat_chunk(t, model_id, {"tool_calls": calls}))
+    chunks.append(api.chat_chunk(t, model_id, {}, reason, last.stats))
+    return chunks
 
 
 def _event(body: dict) -> str:

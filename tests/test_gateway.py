@@ -187,10 +187,16 @@ BAD_REQUESTS = {  # request fields -> (exception class, param the error names)
                       openai.BadRequestError, "messages"),
     "empty messages": (dict(messages=[]), openai.BadRequestError, "messages"),
     "n = 2": (dict(n=2), openai.BadRequestError, "n"),
-    "tools": (dict(tools=[{"type": "function", "function": {"name": "f"}}]), openai.BadRequestError, "tools"),
+    "tool parameters not a schema": (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+                                     openai.BadRequestError, "tools"),
     "logprobs": (dict(logprobs=True), openai.BadRequestError, "logprobs"),
     "presence penalty": (dict(presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
-    "json mode": (dict(response_format={"type": "json_object"}), openai.BadRequestError, "response_format"),
+    "schema that does not compile": (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}), openai.BadRequestError, "response_format"),
+    "two constraints": (dict(response_format={"type": "json_object"}, extra_body={"structured_outputs": {
+        "regex": "a+"}}), openai.BadRequestError, "structured_outputs"),
+    "structural tag": (dict(extra_body={"structured_outputs": {"structural_tag": "{}"}}), openai.BadRequestError,
+                       "structured_outputs"),
     "logit bias": (dict(logit_bias={"1": 5}), openai.BadRequestError, "logit_bias"),
     "unknown speculative sampling": (dict(temperature=1, extra_body={"speculative_sampling": "typical"}),
                                      openai.BadRequestError, "speculative_sampling"),

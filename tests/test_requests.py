@@ -74,12 +74,12 @@ def test_stop_requests():
 
 def test_a_front_request_becomes_prompt_text():
     assert parse_front_request(tensors(text_input=[[b"Hi"]], max_tokens=[[4]], apply_chat_template=[[True]],
-                                       stop_words=[[b"END", b""]], seed=[[3]], random_seed=[[3]])) == ("Hi", True)
-    assert parse_front_request(tensors(text_input=[["caf\u00e9".encode()]], max_tokens=[[1]])) == ("caf\u00e9", False)
+                                       stop_words=[[b"END", b""]], seed=[[3]], random_seed=[[3]])) == ("Hi", True, {})
+    assert parse_front_request(tensors(text_input=[["caf\u00e9".encode()]], max_tokens=[[1]])) == ("caf\u00e9", False, {})
     # tensorrtllm_backend's inputs at the values we serve (what genai-perf sends)
     assert parse_front_request(tensors(text_input=[[b"Hi"]], max_tokens=[[4]], exclude_input_in_output=[[True]],
                                        beam_width=[[1]], min_length=[[4]], repetition_penalty=[[1.0]],
-                                       frequency_penalty=[[0.0]], return_log_probs=[[False]])) == ("Hi", False)
+                                       frequency_penalty=[[0.0]], return_log_probs=[[False]])) == ("Hi", False, {})
 
 
 def test_a_conversation_becomes_messages_in_the_chat_template():
@@ -88,7 +88,7 @@ def test_a_conversation_becomes_messages_in_the_chat_template():
                     {"role": "user", "content": "Again"}]
     raw = json.dumps(conversation).encode()
     flat = [*conversation[:2], {"role": "assistant", "content": "Hello"}, conversation[3]]
-    assert parse_front_request(tensors(messages=[[raw]], max_tokens=[[4]])) == (flat, True)
+    assert parse_front_request(tensors(messages=[[raw]], max_tokens=[[4]])) == (flat, True, {})
 
 
 # every input of the front models, each way it can be wrong that reaches a model (Triton refuses the
@@ -100,14 +100,26 @@ def test_a_conversation_becomes_messages_in_the_chat_template():
     (dict(messages=[[b"Hi"]], max_tokens=[[4]]), "messages: not JSON"),
     (dict(messages=[[b"[]"]], max_tokens=[[4]]), "messages must be a non-empty JSON list"),
     (dict(messages=[[b'{"role": "user"}']], max_tokens=[[4]]), "messages must be a non-empty JSON list"),
-    (dict(messages=[[b'[{"role": "tool", "content": "x"}]']], max_tokens=[[4]]),
-     r"messages\[0\].role must be one of system, user, assistant, got 'tool'"),
+    (dict(messages=[[b'[{"role": "robot", "content": "x"}]']], max_tokens=[[4]]),
+     r"messages\[0\].role must be one of system, user, assistant, tool, got 'robot'"),
     (dict(messages=[[b'[{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image_url"}]}]']],
           max_tokens=[[4]]), r"messages\[1\].content\[0\]: only text parts .* got 'image_url'"),
     (dict(messages=[[b'[{"role": "assistant", "content": null}]']], max_tokens=[[4]]),
      r"messages\[0\].content must be a string or a list of text parts"),
     (dict(messages=[[b'[{"role": "user", "content": "a", "tool_calls": []}]']], max_tokens=[[4]]),
-     r"messages\[0\].tool_calls is not supported"),
+     r"messages\[0\].tool_calls: only an assistant message has tool calls"),
+    (dict(messages=[[b'[{"role": "user", "content": "a", "audio": {}}]']], max_tokens=[[4]]),
+     r"messages\[0\].audio is not supported \(a message has role, content, name, tool_calls, tool_call_id\)"),
+    (dict(messages=[[b'[{"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", '
+                     b'"arguments": {"a": 1}}}]}]']], max_tokens=[[4]]),
+     r"messages\[0\].tool_calls\[0\].function.arguments must be a string"),
+    (dict(messages=[[b'[{"role": "user", "content": "a"}]']], tools=[[b'[{"type": "function"}]']], max_tokens=[[4]]),
+     r"tools\[0\] must be \{\"type\": \"function\""),
+    (dict(text_input=[[b"Hi"]], tools=[[b"[]"]], max_tokens=[[4]]), "tools needs a chat prompt"),
+    (dict(messages=[[b'[{"role": "user", "content": "a"}]']], chat_template_kwargs=[[b'{"tokenize": true}']],
+          max_tokens=[[4]]), "chat_template_kwargs.tokenize is set by the server"),
+    (dict(messages=[[b'[{"role": "user", "content": "a"}]']], chat_template_kwargs=[[b"[1]"]], max_tokens=[[4]]),
+     "chat_template_kwargs must be a JSON object"),
     (dict(text_input=[[b"Hi"]], max_tokens=[[4]], min_length=[[-1]]), "min_length must be >= 0, got -1"),
     (dict(text_input=[[b"Hi"]], max_tokens=[[4]], min_tokens=[[2]], min_length=[[3]]),
      "min_tokens and min_length differ"),
@@ -158,8 +170,8 @@ def test_request_parameters_that_are_not_tritons_own_are_refused_naming_the_fiel
     assert "sk-secret" not in str(refused.value)
     # Triton's own: the generate extension's id, its reserved names, triton_*; and none at all
     assert parse_front_request(hi, '{"id": "r1", "priority": 0, "triton_enable_empty_final_response": true}') \
-        == ("Hi", False)
-    assert parse_front_request(hi, "{}") == parse_front_request(hi) == ("Hi", False)
+        == ("Hi", False, {})
+    assert parse_front_request(hi, "{}") == parse_front_request(hi) == ("Hi", False, {})
 
 
 @pytest.mark.parametrize("inputs, message", [
@@ -187,7 +199,7 @@ def test_requests_at_the_size_limits_are_accepted():
     at_limit = dict(max_tokens=[[LIMITS.max_tokens]],
                     stop_words=[[b"x" * LIMITS.stop_word_bytes] + [b"w%d" % i for i in range(LIMITS.stop_words - 1)]])
     text = "\u00e9" * (LIMITS.prompt_bytes // 2)  # 2 bytes each: exactly the limit
-    assert parse_front_request(tensors(text_input=[[text.encode()]], **at_limit)) == (text, False)
+    assert parse_front_request(tensors(text_input=[[text.encode()]], **at_limit)) == (text, False, {})
     conversation = [{"role": "user", "content": "x"}] * LIMITS.messages
     assert parse_front_request(tensors(messages=[[json.dumps(conversation).encode()]], **at_limit))[0] == conversation
     # the engine model's own parser keeps the same limits

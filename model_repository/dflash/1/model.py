@@ -96,14 +96,24 @@ class TritonPythonModel:
             stream = TritonStream(request, self.in_flight, self._timeline(request, tensor))
             try:
                 prompt_ids, params, streaming = parse_engine_request(tensor, self.loop.engine.max_context)
-                if stream.timeline is not None:
-                    stream.timeline.streamed = streaming
-                self.loop.submit(prompt_ids, params, stream, streaming)
-            except (QueueFull, EngineStopped) as e:
-                stream.refuse(str(e), pb_utils.TritonError.UNAVAILABLE)
             except DFlashError as e:
                 stream.refuse(invalid_request(str(e)), pb_utils.TritonError.INVALID_ARG)
+                continue
+            if stream.timeline is not None:
+                stream.timeline.streamed = streaming
+            if params.guide is None:
+                self._submit(prompt_ids, params, stream, streaming)
+            else:  # its grammar compiles in submit (up to grammar.COMPILE_SECONDS): not in the way of other requests
+                threading.Thread(target=self._submit, args=(prompt_ids, params, stream, streaming), daemon=True).start()
         return None
+
+    def _submit(self, prompt_ids, params, stream, streaming):
+        try:
+            self.loop.submit(prompt_ids, params, stream, streaming)
+        except (QueueFull, EngineStopped) as e:
+            stream.refuse(str(e), pb_utils.TritonError.UNAVAILABLE)
+        except DFlashError as e:
+            stream.refuse(invalid_request(str(e)), pb_utils.TritonError.INVALID_ARG)
 
     def _timeline(self, request, tensor):
         """The request's timeline for the request metrics, from its arrival at the front model (the ensemble's:

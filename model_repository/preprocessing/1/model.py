@@ -43,9 +43,9 @@ class TritonPythonModel:
 
         try:
             # the request's parameters too: over HTTP generate, the body's fields that name no input
-            prompt, chat = parse_front_request(tensor, request.parameters())
+            prompt, chat, template = parse_front_request(tensor, request.parameters())
             try:
-                ids = encode_prompt(self.tokenizer, prompt, chat=chat)
+                ids = encode_prompt(self.tokenizer, prompt, chat=chat, template_args=template)
             except DFlashError as e:
                 raise DFlashError(f"{'text_input' if isinstance(prompt, str) else 'messages'}: {e}") from None
         except DFlashError as e:
