@@ -367,6 +367,10 @@ class _LlmApiCall:
 
 def _llmapi_prompt(prompt: dict[str, object], templater: Templater | None) -> tuple[str, bool]:
     """(the prompt's text, templated?): the LLM-API model takes raw text only, so the chat template is ours."""
+    for name in ("tools", "chat_template_kwargs"):
+        if name in prompt:
+            raise InvalidRequest(invalid_request(f"{name} is not available with TensorRT-LLM's LLM-API model "
+                                                 f"({LLMAPI_MODEL}) yet: its prompts are templated without them"))
     if "messages" in prompt:
         return _templater(templater, "messages").render(prompt["messages"]), True
     text = prompt["text_input"]

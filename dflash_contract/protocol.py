@@ -141,6 +141,9 @@ class RequestLimits:
     # max_tokens: 2**18, above the largest output any hosted API offers today (OpenAI's: 128k) and as large
     # as the largest contexts of open models; the build's context limit refuses what it cannot hold anyway.
     max_tokens: int = 1 << 18
+    # choices per request (OpenAI's n): each is a sequence of its own in the batch, so a request of n takes n of the
+    # engine's places; 16 covers best-of and self-consistency sampling (vLLM sets no limit)
+    choices: int = 16
 
 
 LIMITS = RequestLimits()

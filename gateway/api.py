@@ -20,7 +20,7 @@ from clients.transport import Request
 from dflash_contract import DFlashError
 from dflash_contract.chat import parse_template_kwargs
 from dflash_contract.guided_decoding import Guide
-from dflash_contract.protocol import INVALID_REQUEST_PREFIX
+from dflash_contract.protocol import INVALID_REQUEST_PREFIX, LIMITS
 
 from .guides import GuideError, request_guide
 from .tools import ToolError, ToolPlan, tool_plan
@@ -28,7 +28,6 @@ from .tools import ToolError, ToolPlan, tool_plan
 EXTENSION_FIELD = "dflash"  # our statistics, in the final chunk and in a whole response
 # Fields accepted only at these values (None: absent or null): OpenAI's defaults, which the engine serves
 NEUTRAL = {
-    "n": (None, 1),  # several choices: send several requests (one sequence per request here)
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logprobs": (None, False),
@@ -53,6 +52,7 @@ CHAT_FIELDS = frozenset((*SAMPLING, "messages", "max_completion_tokens", "max_to
 COMPLETION_FIELDS = frozenset((*SAMPLING, "prompt", "max_tokens", "n", "presence_penalty", "frequency_penalty",
                                "logprobs", "logit_bias", "echo", "best_of", "suffix", *INERT))
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SEED_STEP = 0x9E3779B97F4A7C15  # choice i's seed: the request's + i steps (Translated.choice_requests)
 
 
 class APIError(Exception):
@@ -82,6 +82,15 @@ class Translated:
     stream: bool  # the client's choice: server-sent events, or one response
     include_usage: bool  # stream_options.include_usage: one more chunk, with the usage and no choices
     tools: ToolPlan | None = None  # a chat request's tools: its answer may be tool calls (tools.py)
+    n: int = 1  # choices: one server request each (choice_requests)
+
+    def choice_requests(self) -> list[Request]:
+        """One request per choice. Choice 0 is the request as sent; choice i samples with a seed derived from the
+        request's (golden-ratio steps: reproducible, and apart from the seeds of neighbouring requests)."""
+        seed = self.request.params.seed
+        return [self.request if i == 0 or seed is None else
+                replace(self.request, params=replace(self.request.params, seed=(seed + i * SEED_STEP) % 2 ** 64))
+                for i in range(self.n)]
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -202,7 +211,17 @@ def _translated(body: dict, prompt: dict, max_tokens: object, default_max_tokens
         raise invalid(message, name and _name(name, max_tokens_name)) from None
     # streamed from the server either way: each response is where a client's disconnect is noticed
     return Translated(Request(prompt, params, stream=True), stream,
-                      include_usage=bool(options and options.get("include_usage")))
+                      include_usage=bool(options and options.get("include_usage")), n=_choices(body.get("n")))
+
+
+def _choices(n) -> int:
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise invalid(f"n must be an integer >= 1, got {n!r}", "n")
+    if n > LIMITS.choices:
+        raise invalid(f"n is {n}, over the limit of {LIMITS.choices} choices per request", "n")
+    return n
 
 
 def _name(name: str, max_tokens_name: str) -> str:
@@ -231,6 +250,18 @@ def finish_reason(ours: str) -> str:
     return ours if ours in ("length", "tool_calls") else "stop"
 
 
+def combined(stats: list[SpeculationStats]) -> SpeculationStats:
+    """The counts of a request's choices together, as OpenAI counts n choices: the prompt once, every choice's
+    completion (and drafts)."""
+    first = stats[0]
+    drafted = sum(s.draft_tokens for s in stats)
+    accepted = sum(s.accepted_draft_tokens for s in stats)
+    steps = sum(s.draft_steps for s in stats)
+    return SpeculationStats(accepted, drafted, accepted / drafted if drafted else None, steps,
+                            (accepted + steps) / steps if steps else None, first.prompt_tokens, first.cached_tokens,
+                            sum(s.completion_tokens for s in stats))
+
+
 def usage(stats: SpeculationStats) -> dict:
     rejected = stats.draft_tokens - stats.accepted_draft_tokens
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
@@ -248,11 +279,15 @@ def statistics(stats: SpeculationStats) -> dict:
             "mean_acceptance_length": stats.mean_acceptance_length and round(stats.mean_acceptance_length, 4)}
 
 
-def chat_response(t: Translated, model_id: str, text: str, reason: str, stats: SpeculationStats) -> dict:
-    message, reason = chat_message(t, text, reason)
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+def chat_response(t: Translated, model_id: str, results: list[tuple[str, str, SpeculationStats]]) -> dict:
+    """The whole answer; results: (text, our finish reason, counts) per choice."""
+    choices = []
+    for i, (text, reason, _) in enumerate(results):
+        message, reason = chat_message(t, text, reason)
+        choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": reason})
+    stats = combined([r[2] for r in results])
     return {"id": f"chatcmpl-{t.id}", "object": "chat.completion", "created": t.created, "model": model_id,
-            "choices": [choice], "usage": usage(stats), EXTENSION_FIELD: statistics(stats)}
+            "choices": choices, "usage": usage(stats), EXTENSION_FIELD: statistics(stats)}
 
 
 def chat_message(t: Translated, text: str, reason: str) -> tuple[dict, str]:
@@ -264,26 +299,28 @@ def chat_message(t: Translated, text: str, reason: str) -> tuple[dict, str]:
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
-def completion_response(t: Translated, model_id: str, text: str, reason: str, stats: SpeculationStats) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+def completion_response(t: Translated, model_id: str, results: list[tuple[str, str, SpeculationStats]]) -> dict:
+    choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+               for i, (text, reason, _) in enumerate(results)]
+    stats = combined([r[2] for r in results])
     return {"id": f"cmpl-{t.id}", "object": "text_completion", "created": t.created, "model": model_id,
-            "choices": [choice], "usage": usage(stats), EXTENSION_FIELD: statistics(stats)}
+            "choices": choices, "usage": usage(stats), EXTENSION_FIELD: statistics(stats)}
 
 
 def chat_chunk(t: Translated, model_id: str, delta: dict | None, reason: str | None = None,
-               stats: SpeculationStats | None = None) -> dict:
-    """A chat.completion.chunk: a delta; with `reason`, the one chunk that carries finish_reason (and our
-    statistics); with delta None, the usage chunk (no choices)."""
+               stats: SpeculationStats | None = None, index: int = 0) -> dict:
+    """A chat.completion.chunk of choice `index`: a delta; with `reason`, the one chunk that carries finish_reason
+    (and our statistics); with delta None, the usage chunk (no choices)."""
     chunk = {"id": f"chatcmpl-{t.id}", "object": "chat.completion.chunk", "created": t.created, "model": model_id,
-             "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+             "choices": [] if delta is None else [{"index": index, "delta": delta, "logprobs": None,
                                                     "finish_reason": reason and finish_reason(reason)}]}
     return _with_extras(chunk, t, delta is None, reason, stats)
 
 
 def completion_chunk(t: Translated, model_id: str, text: str | None, reason: str | None = None,
-                     stats: SpeculationStats | None = None) -> dict:
+                     stats: SpeculationStats | None = None, index: int = 0) -> dict:
     chunk = {"id": f"cmpl-{t.id}", "object": "text_completion", "created": t.created, "model": model_id,
-             "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": None,
+             "choices": [] if text is None else [{"index": index, "text": text, "logprobs": None,
                                                    "finish_reason": reason and finish_reason(reason)}]}
     return _with_extras(chunk, t, text is None, reason, stats)
 

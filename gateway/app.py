@@ -165,31 +165,57 @@ def _api_error(e: DFlashClientError) -> api.APIError:
 async def _answer(request: Request, transport: GrpcTransport, t: api.Translated, model_id: str, chat: bool,
                   first_text: Callable[[], None]):
     """One JSON response, or a stream of events (first_text() is called after each event with text)."""
-    responses = transport.responses(t.request)
-    try:
-        first = await anext(responses, None)  # a refusal comes first, before any text: an HTTP status
-    except DFlashClientError as e:
-        await responses.aclose()
-        raise _api_error(e) from None
-    if first is None:
-        raise api.APIError(500, "the server ended the request without an answer")
+    streams = await _open(transport, t)
     if t.stream:
-        return StreamingResponse(_events(t, model_id, chat, first, responses, first_text),
+        return StreamingResponse(_events(t, model_id, chat, streams, first_text),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    collecting = asyncio.create_task(_collect(first, responses))
-    while not collecting.done():  # a client that went away cancels its request (and frees its slot)
+
+    async def collect_all():
+        return await asyncio.gather(*(_collect(first, responses) for first, responses in streams))
+
+    collecting = asyncio.create_task(collect_all())
+    while not collecting.done():  # a client that went away cancels its requests (and frees their slots)
         await asyncio.wait({collecting}, timeout=DISCONNECT_CHECK_SECONDS)
         if not collecting.done() and await request.is_disconnected():
             collecting.cancel()
     try:
-        text, last = collecting.result()
+        results = collecting.result()
     except asyncio.CancelledError:
         raise api.APIError(499, "the client closed the connection") from None
     except DFlashClientError as e:
         raise _api_error(e) from None
     build = api.chat_response if chat else api.completion_response
-    return build(t, model_id, text, last.finish_reason, last.stats)
+    return build(t, model_id, [(text, last.finish_reason, last.stats) for text, last in results])
+
+
+async def _open(transport: GrpcTransport, t: api.Translated) -> list[tuple[Response, AsyncIterator[Response]]]:
+    """(first response, the rest) of each choice's request. A refusal comes first, before any text: an HTTP status.
+    The other choices start once choice 0 has answered: its prompt is in the prefix cache by then, so they find it
+    there instead of prefilling it again."""
+    requests = t.choice_requests()
+    opened = [await _first(transport, requests[0])]
+    others = await asyncio.gather(*(_first(transport, r) for r in requests[1:]), return_exceptions=True)
+    opened += [o for o in others if not isinstance(o, BaseException)]
+    failed = [o for o in others if isinstance(o, BaseException)]
+    if failed:
+        for _, responses in opened:
+            await responses.aclose()
+        raise failed[0]
+    return opened
+
+
+async def _first(transport: GrpcTransport, request) -> tuple[Response, AsyncIterator[Response]]:
+    responses = transport.responses(request)
+    try:
+        first = await anext(responses, None)
+    except DFlashClientError as e:
+        await responses.aclose()
+        raise _api_error(e) from None
+    if first is None:
+        await responses.aclose()
+        raise api.APIError(500, "the server ended the request without an answer")
+    return first, responses
 
 
 async def _collect(first: Response, responses: AsyncIterator[Response]) -> tuple[str, Response]:
@@ -219,59 +245,103 @@ async def _next(responses: AsyncIterator[Response]) -> Response:
         raise IncompleteResponse(f"the connection to the server broke before the final response ({e})") from None
 
 
-async def _events(t: api.Translated, model_id: str, chat: bool, first: Response,
-                  responses: AsyncIterator[Response], first_text: Callable[[], None]) -> AsyncIterator[str]:
-    """Server-sent events: the role, the text deltas, the one chunk with finish_reason, the usage chunk if asked
-    for, then [DONE]; a failure midway is an error event before [DONE]. Cancelled (the client went away):
-    the gRPC request is cancelled on the way out."""
-    def chunk(text: str | None, reason: str | None = None, stats=None) -> str:
-        if chat:
-            if text is None:  # the usage chunk
-                delta = None
-            else:  # the finish chunk has an empty delta when no text came with it
-                delta = {"content": text} if text or reason is None else {}
-            body = api.chat_chunk(t, model_id, delta, reason, stats)
-        else:
-            body = api.completion_chunk(t, model_id, text, reason, stats)
-        return _event(body)
+async def _events(t: api.Translated, model_id: str, chat: bool, streams: list[tuple[Response, AsyncIterator]],
+                  first_text: Callable[[], None]) -> AsyncIterator[str]:
+    """Server-sent events: per choice the role, the text deltas, the one chunk with finish_reason; the usage chunk
+    if asked for (all choices together), then [DONE]; a failure midway is an error event before [DONE]. Several
+    choices' chunks interleave as they come. Cancelled (the client went away): the gRPC requests are cancelled on
+    the way out."""
+    lasts: dict[int, Response] = {}
+    chunks = [_choice_chunks(t, model_id, chat, i, first, responses, lasts)
+              for i, (first, responses) in enumerate(streams)]
+    try:
+        async for body, has_text in _merged(chunks):
+            yield _event(body)
+            if has_text:
+                first_text()
+        if t.include_usage:
+            stats = api.combined([lasts[i].stats for i in range(len(streams))])
+            yield _event((api.chat_chunk if chat else api.completion_chunk)(t, model_id, None, stats=stats))
+    except DFlashClientError as e:
+        yield _event(_api_error(e).body())
+    yield "data: [DONE]\n\n"
+
+
+async def _merged(generators: list[AsyncIterator]) -> AsyncIterator:
+    """The items of several async generators as they come (one: as it is); each closed on the way out."""
+    if len(generators) == 1:
+        async with contextlib.aclosing(generators[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(generator):
+        try:
+            async with contextlib.aclosing(generator):
+                async for item in generator:
+                    await queue.put(item)
+            await queue.put(done)
+        except Exception as e:  # the reader raises it
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(g)) for g in generators]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: int, first: Response,
+                         responses: AsyncIterator[Response], lasts: dict) -> AsyncIterator[tuple[dict, bool]]:
+    """(chunk, has text?) of one choice: its role chunk, text deltas and finish chunk; its last response in
+    lasts[index]."""
+    def chunk(text: str, reason: str | None = None, stats=None) -> dict:
+        if not chat:
+            return api.completion_chunk(t, model_id, text, reason, stats, index)
+        delta = {"content": text} if text or reason is None else {}  # the finish chunk's is empty without text
+        return api.chat_chunk(t, model_id, delta, reason, stats, index)
 
     held = chat and t.tools is not None and t.tools.parses  # the whole answer is needed to find its tool calls
     texts = []
     async with contextlib.aclosing(responses):
         if chat:
-            yield _event(api.chat_chunk(t, model_id, {"role": "assistant", "content": ""}))
+            yield api.chat_chunk(t, model_id, {"role": "assistant", "content": ""}, index=index), False
         response = first
-        try:
-            while not _finished(response):
-                if response.text and held:
-                    texts.append(response.text)
-                elif response.text:
-                    yield chunk(response.text)
-                    first_text()
-                response = await _next(responses)
-            if held:
-                for body in _tool_chunks(t, model_id, "".join(texts) + response.text, response):
-                    yield _event(body)
-            else:
-                yield chunk(response.text, response.finish_reason, response.stats)
-            if response.text or texts:
-                first_text()
-            if t.include_usage:
-                yield chunk(None, stats=response.stats)
-        except DFlashClientError as e:
-            yield _event(_api_error(e).body())
-    yield "data: [DONE]\n\n"
+        while not _finished(response):
+            if response.text and held:
+                texts.append(response.text)
+            elif response.text:
+                yield chunk(response.text), True
+            response = await _next(responses)
+        lasts[index] = response
+        if held:
+            for body in _tool_chunks(t, model_id, "".join(texts) + response.text, response, index):
+                yield body, True
+        else:
+            yield chunk(response.text, response.finish_reason, response.stats), bool(response.text)
 
 
-def _tool_chunks(t: api.Translated, model_id: str, text: str, last: Response) -> list[dict]:
+def _tool_chunks(t: api.Translated, model_id: str, text: str, last: Response, index: int) -> list[dict]:
     """The end of a held stream: its content, its tool calls (one delta, each call whole, as OpenAI's chunks carry
     them: index, id, type, function name and arguments), then the finish chunk."""
     message, reason = api.chat_message(t, text, last.finish_reason)
-    chunks = [api.chat_chunk(t, model_id, {"content": message["content"]})] if message["content"] else []
+    chunks = [api.chat_chunk(t, model_id, {"content": message["content"]}, index=index)] if message["content"] else []
     if "tool_calls" in message:
         calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        chunks.append(api.chat_chunk(t, model_id, {"tool_calls": calls}))
-    chunks.append(api.chat_chunk(t, model_id, {}, reason, last.stats))
+        chunks.append(api.chat_chunk(t, model_id, {"tool_calls": calls}, index=index))
+    chunks.append(api.chat_chunk(t, model_id, {}, reason, last.stats, index))
     return chunks
 
 

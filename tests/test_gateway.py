@@ -181,12 +181,39 @@ def test_the_same_seed_gives_the_same_sample(client):
     assert any(with_method(seed, "rejection") != with_method(seed, "exact") for seed in (7, 8, 9))
 
 
+def test_n_choices_streamed_or_not_are_the_seeded_requests_they_derive_from(client):
+    """n=3 sampled: choice i is the request with seed + i steps (api.SEED_STEP), streamed chunks rebuild each choice
+    by index, usage counts the prompt once and every completion; greedy choices are alike, as OpenAI's are."""
+    from gateway.api import SEED_STEP
+
+    request = {"model": MODEL, "messages": CONVERSATION, "max_tokens": 16, "temperature": 1.0}
+    whole = client.chat.completions.create(**request, n=3, seed=11)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(**request, seed=(11 + i * SEED_STEP) % 2 ** 64) for i in range(3)]
+    assert [c.message.content for c in whole.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in whole.choices}) > 1
+    assert whole.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert whole.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    chunks = list(client.chat.completions.create(**request, n=3, seed=11, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    greedy = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, n=2,
+                                       temperature=0)
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
 BAD_REQUESTS = {  # request fields -> (exception class, param the error names)
     "unknown role": (dict(messages=[{"role": "robot", "content": "Hi"}]), openai.BadRequestError, "messages"),
     "image content": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
                       openai.BadRequestError, "messages"),
     "empty messages": (dict(messages=[]), openai.BadRequestError, "messages"),
-    "n = 2": (dict(n=2), openai.BadRequestError, "n"),
+    "n over the limit": (dict(n=LIMITS.choices + 1), openai.BadRequestError, "n"),
+    "n = 0": (dict(n=0), openai.BadRequestError, "n"),
     "tool parameters not a schema": (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
                                      openai.BadRequestError, "tools"),
     "logprobs": (dict(logprobs=True), openai.BadRequestError, "logprobs"),
