@@ -42,13 +42,17 @@ class GenerationParams:
     # same distribution, another sample); None: the server's build decides
     speculative_sampling: str | None = None
     guide: Guide | None = None  # guided decoding: the output matches it (dflash_contract.guided_decoding)
+    repetition_penalty: float = 1.0  # vLLM's penalties: 1, 0 and 0 are off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         # The tensor types bound what fits (INT32, UINT64); within them, the server's ranges.
         for name in ("max_tokens", "top_k", "min_tokens"):
             value = getattr(self, name)
             _check(_is_int(value) and value <= INT32_MAX, f"{name} must be a 32-bit integer, got {value!r}")
-        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_tokens"):
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_tokens", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
             error = range_error(name, getattr(self, name))
             _check(error is None, error)
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= UINT64_MAX),

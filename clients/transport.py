@@ -54,6 +54,8 @@ LLMAPI_INPUTS = {
     "sampling_param_top_p": "FP32",
     "sampling_param_seed": "UINT64",
     "sampling_param_stop": "BYTES",
+    "sampling_param_presence_penalty": "FP32",
+    "sampling_param_frequency_penalty": "FP32",
     "sampling_param_return_perf_metrics": "BOOL",  # adds the speculation statistics to each response
     "return_finish_reason": "BOOL",
 }
@@ -119,6 +121,9 @@ class Request:
             fields["end_id"] = p.end_id
         if p.stop:
             fields["stop_words"] = list(p.stop)
+        for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            if getattr(p, name) != off:
+                fields[name] = getattr(p, name)
         if p.guide is not None:
             fields[TYPE_INPUT] = p.guide.type
             if p.guide.text:
@@ -394,7 +399,8 @@ def _templater(templater: Templater | None, name: str) -> Templater:
 def _llmapi_fields(request: Request, prompt: str) -> dict[str, object]:
     p = request.params
     unavailable = {"min_tokens": p.min_tokens or None, "end_id": p.end_id,  # no such LLM-API inputs
-                   "speculative_sampling": p.speculative_sampling, TYPE_INPUT: p.guide and p.guide.type}
+                   "speculative_sampling": p.speculative_sampling, TYPE_INPUT: p.guide and p.guide.type,
+                   "repetition_penalty": None if p.repetition_penalty == 1 else p.repetition_penalty}
     for name, value in unavailable.items():
         if value is not None:
             raise InvalidRequest(invalid_request(
@@ -410,6 +416,9 @@ def _llmapi_fields(request: Request, prompt: str) -> dict[str, object]:
         fields["sampling_param_seed"] = p.seed
     if p.stop:
         fields["sampling_param_stop"] = list(p.stop)
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        if getattr(p, name) != off:  # TensorRT-LLM's SamplingParams fields of the same names
+            fields[f"sampling_param_{name}"] = getattr(p, name)
     return fields
 
 

@@ -26,9 +26,6 @@ FIXED_INPUTS = {
     "return_log_probs": ("BOOL", False, "no log probabilities"),
     "return_context_logits": ("BOOL", False, "no logits"),
     "return_generation_logits": ("BOOL", False, "no logits"),
-    "repetition_penalty": ("FP32", 1.0, "no penalties"),
-    "presence_penalty": ("FP32", 0.0, "no penalties"),
-    "frequency_penalty": ("FP32", 0.0, "no penalties"),
     "length_penalty": ("FP32", None, "beam search only"),  # None: any value, which one beam never uses
 }
 # Front-model inputs: name -> Triton data type (on the wire). A request carries exactly one of PROMPT_INPUTS,
@@ -66,6 +63,10 @@ FRONT_INPUTS = {
     # guided decoding (structured outputs): the kind and the guide, tensorrtllm_backend's names (guided_decoding.py)
     "guided_decoding_guide_type": "BYTES",
     "guided_decoding_guide": "BYTES",
+    # vLLM's penalties (dflash_runtime/penalties.py), under tensorrtllm_backend's names; 1, 0, 0: off
+    "repetition_penalty": "FP32",
+    "presence_penalty": "FP32",
+    "frequency_penalty": "FP32",
     **{name: data_type for name, (data_type, _, _) in FIXED_INPUTS.items()},
 }
 PROMPT_INPUTS = ("text_input", "messages")
@@ -73,7 +74,8 @@ MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 # What the front model passes on to the `dflash` engine model unchanged (text goes through preprocessing).
 ENGINE_INPUTS = ("max_tokens", "clip_max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p", "seed",
                  "random_seed", "speculative_sampling", "end_id", "pad_id", "stop_words", "bad_words",
-                 "guided_decoding_guide_type", "guided_decoding_guide")
+                 "guided_decoding_guide_type", "guided_decoding_guide", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
 # `dflash` model outputs besides the statistics: a window of token ids and how many were shown before.
 TOKEN_OUTPUTS = ("output_ids", "read_offset")
 FINISH_REASON = "finish_reason"  # BYTES: "" while running, then "stop", "length" or "cancelled"
@@ -267,6 +269,9 @@ RANGES = {
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "min_tokens": (lambda v: v >= 0, ">= 0"),
     "min_length": (lambda v: v >= 0, ">= 0"),
+    "repetition_penalty": (lambda v: v > 0, "> 0"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
 }
 # Inputs under two names (tensorrtllm_backend renamed them in 2025.05): current name -> older name
 ALIASES = {"seed": "random_seed", "min_tokens": "min_length"}

@@ -30,6 +30,7 @@ from .config import DFlashError
 from .drafter import DFlashDrafter
 from .block_manager import BlockManager
 from .grammar import GrammarCompiler, mask_logits, new_bitmask
+from .penalties import apply_penalties, penalised
 from .kv_cache import BLOCK_SIZE, null_padded
 from .kv_injection.op import KERNEL_IS_FASTER
 from .sampling import (DRAFT, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens, proposal_hits,
@@ -345,6 +346,8 @@ class SpeculativeEngine:
             firsts.append([])
             if end == len(seq.prompt_ids) and not seq.output_ids:
                 self._hold_stop_tokens(logits, [seq], [row])
+                if penalised(seq.params):
+                    apply_penalties(logits[row], None, seq.prompt_ids, [], seq.params)
                 self._mask_guided(logits, [(seq, row, [])] if seq.grammar is not None else [])
                 firsts[-1] = choose_tokens(logits[row], seq.params, end)  # reads the device: the clock's marks are done
         seconds, = clock.intervals()
@@ -377,6 +380,9 @@ class SpeculativeEngine:
         guided = self._guided_rows(batch, row_of, block)  # before the pass: a copy after it would wait for it
         logits, features = self.graphs.run(key, self._pass(key), block, starts, self._table_for(table, verify_length))
         self._hold_stop_tokens(logits, batch, row_of)
+        for seq, row in zip(batch, row_of):
+            if penalised(seq.params):
+                apply_penalties(logits[row], block[row], seq.prompt_ids, seq.output_ids, seq.params)
         self._mask_guided(logits, guided)
         chosen = self._choose(logits, block, draft_logits, sampled)
         accepted = (block[:, 1:] == chosen[:, :-1]).cumprod(dim=1).sum(dim=1)

@@ -36,6 +36,10 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative_sampling: str | None = None  # SPECULATIVE_SAMPLING; None: the engine's (the build's)
     guide: Guide | None = None  # guided decoding: every token chosen under its grammar (grammar.py)
+    # vLLM's penalties (penalties.py): 1 and 0 are off
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -52,6 +56,11 @@ class SamplingParams:
             raise DFlashError("stop strings must not be empty")
         if self.speculative_sampling is not None:
             check_speculative_sampling(self.speculative_sampling)
+        if not self.repetition_penalty > 0:
+            raise DFlashError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise DFlashError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:

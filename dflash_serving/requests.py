@@ -103,6 +103,9 @@ def parse_engine_request(tensor: TensorGetter, max_context: int) -> tuple[list[i
         ignore_eos=end_id is not None,
         stop_strings=tuple(strings(tensor, "stop_words")),
         guide=guide(tensor),
+        repetition_penalty=float(scalar(tensor, "repetition_penalty", 1.0)),
+        presence_penalty=float(scalar(tensor, "presence_penalty", 0.0)),
+        frequency_penalty=float(scalar(tensor, "frequency_penalty", 0.0)),
     )
     return ids[0].tolist(), params, bool(scalar(tensor, "stream", False))
 

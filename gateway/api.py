@@ -28,8 +28,6 @@ from .tools import ToolError, ToolPlan, tool_plan
 EXTENSION_FIELD = "dflash"  # our statistics, in the final chunk and in a whole response
 # Fields accepted only at these values (None: absent or null): OpenAI's defaults, which the engine serves
 NEUTRAL = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
@@ -43,14 +41,16 @@ NEUTRAL = {
 INERT = ("user", "metadata", "store", "service_tier")
 # The sampling fields both endpoints take; top_k, min_tokens and ignore_eos are vLLM's and SGLang's extra-body names,
 # speculative_sampling ours (dflash_contract.presets.SPECULATIVE_SAMPLING); response_format and vLLM's
-# structured_outputs ask for guided decoding (guides.py), on both endpoints as vLLM takes them
+# structured_outputs ask for guided decoding (guides.py), on both endpoints as vLLM takes them, and the penalties
+# (OpenAI's presence and frequency, vLLM's repetition) are vLLM's (dflash_runtime/penalties.py)
 SAMPLING = ("model", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "top_k", "min_tokens",
-            "ignore_eos", "speculative_sampling", "response_format", "structured_outputs")
-CHAT_FIELDS = frozenset((*SAMPLING, "messages", "max_completion_tokens", "max_tokens", "n", "presence_penalty",
-                         "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
-                         "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", *INERT))
-COMPLETION_FIELDS = frozenset((*SAMPLING, "prompt", "max_tokens", "n", "presence_penalty", "frequency_penalty",
-                               "logprobs", "logit_bias", "echo", "best_of", "suffix", *INERT))
+            "ignore_eos", "speculative_sampling", "response_format", "structured_outputs", "presence_penalty",
+            "frequency_penalty", "repetition_penalty")
+CHAT_FIELDS = frozenset((*SAMPLING, "messages", "max_completion_tokens", "max_tokens", "n", "logprobs", "top_logprobs",
+                         "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+                         "chat_template_kwargs", *INERT))
+COMPLETION_FIELDS = frozenset((*SAMPLING, "prompt", "max_tokens", "n", "logprobs", "logit_bias", "echo", "best_of",
+                               "suffix", *INERT))
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SEED_STEP = 0x9E3779B97F4A7C15  # choice i's seed: the request's + i steps (Translated.choice_requests)
 
@@ -192,7 +192,8 @@ def _translated(body: dict, prompt: dict, max_tokens: object, default_max_tokens
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream must be true or false", "stream")
-    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_tokens": 0}  # OpenAI's, and off
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_tokens": 0,  # OpenAI's, and off
+                "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
     values = {"max_tokens": default_max_tokens if max_tokens is None else max_tokens,
               **{k: default if body.get(k) is None else body[k] for k, default in defaults.items()}}
     for name, value in values.items():
@@ -231,7 +232,8 @@ def _name(name: str, max_tokens_name: str) -> str:
 # The front model's input names that a refusal starts with -> the request field they came from
 SERVER_FIELDS = {"messages": "messages", "text_input": "prompt", "stop_words": "stop", "temperature": "temperature",
                  "top_p": "top_p", "top_k": "top_k", "seed": "seed", "min_tokens": "min_tokens",
-                 "speculative_sampling": "speculative_sampling",
+                 "speculative_sampling": "speculative_sampling", "repetition_penalty": "repetition_penalty",
+                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                  "end_id": "ignore_eos",  # end_id: what ignore_eos becomes (_translated)
                  # a guide the engine could not compile: response_format's or structured_outputs' (guides.py)
                  "guided_decoding_guide": "response_format"}

@@ -207,6 +207,15 @@ def test_n_choices_streamed_or_not_are_the_seeded_requests_they_derive_from(clie
     assert greedy.choices[0].text == greedy.choices[1].text
 
 
+def test_penalties_reach_the_engine_as_the_grpc_clients_do(client, grpc):
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}
+    expected = grpc.generate(CONVERSATION, GenerationParams(max_tokens=24, **penalties))
+    reply = client.chat.completions.create(model=MODEL, messages=CONVERSATION, **GREEDY, presence_penalty=1.5,
+                                           frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3})
+    assert reply.choices[0].message.content == expected.text
+    assert expected.text != grpc.generate(CONVERSATION, GenerationParams(max_tokens=24)).text
+
+
 BAD_REQUESTS = {  # request fields -> (exception class, param the error names)
     "unknown role": (dict(messages=[{"role": "robot", "content": "Hi"}]), openai.BadRequestError, "messages"),
     "image content": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
@@ -217,7 +226,8 @@ BAD_REQUESTS = {  # request fields -> (exception class, param the error names)
     "tool parameters not a schema": (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
                                      openai.BadRequestError, "tools"),
     "logprobs": (dict(logprobs=True), openai.BadRequestError, "logprobs"),
-    "presence penalty": (dict(presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
+    "presence penalty over 2": (dict(presence_penalty=2.5), openai.BadRequestError, "presence_penalty"),
+    "repetition penalty 0": (dict(extra_body={"repetition_penalty": 0}), openai.BadRequestError, "repetition_penalty"),
     "schema that does not compile": (dict(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "foo"}}}), openai.BadRequestError, "response_format"),
     "two constraints": (dict(response_format={"type": "json_object"}, extra_body={"structured_outputs": {
