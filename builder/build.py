@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from builder.options import (BuildOptions, build_parser, check_context_room, check_options, option_notes,
-                             options_from_args)
+                             options_from_args, reasoning_parser)
 from builder.render import TORCH_MODELS, render_repository
 from builder.staging import partial_folder, publish, remove_abandoned
 from dflash_contract import DFlashError
@@ -390,7 +390,7 @@ def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, h
         "inputs": {"target": opts.target, "target_dir": str(inputs.target_dir), "preset": inputs.preset,
                    "drafter_dir": str(inputs.drafter_dir) if inputs.drafter_dir else None, "file_sha256": hashes},
         "options": {**asdict(opts), "block_size": inputs.block_size, "max_context": inputs.max_context,
-                    "kv_cache_tokens": kv_cache_tokens(inputs, opts)},
+                    "kv_cache_tokens": kv_cache_tokens(inputs, opts), "reasoning_parser": reasoning_parser(opts)},
         "artifacts": {"target": TARGET_DIR, "drafter": DRAFTER_DIR if inputs.drafter_dir else None,
                       "model_repository": REPOSITORY_DIR,
                       "models": sorted(p.name for p in (stage / REPOSITORY_DIR).iterdir())},

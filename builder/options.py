@@ -11,13 +11,14 @@ from pathlib import Path
 from builder.trtllm import DFLASH_ATTENTION_BACKEND_SMS
 from dflash_contract import DFlashError
 from dflash_contract.cli import ArgumentParser
-from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PRESET, DEFAULT_SPECULATIVE_SAMPLING, PRESETS,
-                                     SPECULATIVE_SAMPLING, block_size_argument, check_speculative_sampling,
-                                     preset_table)
+from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PRESET,
+                                     DEFAULT_SPECULATIVE_SAMPLING, PRESETS, REASONING_PARSERS, SPECULATIVE_SAMPLING,
+                                     block_size_argument, check_speculative_sampling, preset_table)
 
 RUNTIMES = ("torch", "trtllm")
 QUANT_FORMATS = ("none", "fp8", "nvfp4")
 KV_CACHE_FORMATS = ("none", "fp8")
+PRESET_PARSER = "preset"  # --reasoning-parser: the target preset's
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")  # what dflash_runtime.pipeline.resolve_device and torch take
 # --max-context must hold a prompt and one whole draft block verified beside it, else speculation never runs a
 # full step. The prompt's share is a short chat turn: SmolLM2's chat template alone makes 31 tokens of "Hi" (its
@@ -71,6 +72,15 @@ class BuildOptions:
     dflash_attention: str | None = None  # trtllm: DFlashDecodingConfig.attention_backend; None: upstream's (VANILLA)
     sanity_tokens: int = 32
     speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING  # sampled requests that name no method
+    reasoning_parser: str = PRESET_PARSER  # the gateway's (REASONING_PARSERS, or "none"); "preset": the preset's
+
+
+def reasoning_parser(opts: BuildOptions) -> str | None:
+    """The build's reasoning parser: the one named, the preset's for "preset", None for "none"."""
+    if opts.reasoning_parser == PRESET_PARSER:
+        preset = PRESETS.get(opts.target)
+        return preset.reasoning_parser if preset is not None else None
+    return None if opts.reasoning_parser == "none" else opts.reasoning_parser
 
 
 def names_a_drafter(opts: BuildOptions) -> bool:
@@ -232,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="turn the torch runtime's prefix cache off (for A/B runs): every prompt is computed "
                              "whole, even one that repeats a conversation's history")
+    parser.add_argument("--reasoning-parser", default=PRESET_PARSER,
+                        choices=(PRESET_PARSER, "none", *REASONING_PARSERS), help="how the OpenAI gateway splits a thinking model's reasoning into reasoning_content: "
+                             "qwen3 (<think>...</think>); preset (default): the preset's (qwen3 for the Qwen3 presets, "
+                             "none for the others)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="torch runtime dtype; auto (default): bfloat16 on CUDA, float32 on a CPU")
     parser.add_argument("--device", default="auto",
@@ -262,4 +276,5 @@ def options_from_args(args: argparse.Namespace) -> BuildOptions:
                         prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching, dtype=args.dtype, device=args.device, gpu=args.gpu,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size, dflash_attention=args.dflash_attention,
-                        sanity_tokens=args.sanity_tokens, speculative_sampling=args.speculative_sampling)
+                        sanity_tokens=args.sanity_tokens, speculative_sampling=args.speculative_sampling,
+                        reasoning_parser=args.reasoning_parser)

@@ -170,9 +170,11 @@ class Gateway:
 
 
 def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, graceful_seconds: float,
-                  timeout: float = 60, target_dir: Path | None = None, host: str = ANY_ADDRESS) -> Gateway:
+                  timeout: float = 60, target_dir: Path | None = None, host: str = ANY_ADDRESS,
+                  reasoning_parser: str | None = None) -> Gateway:
     """Start the gateway on host:port (port 0: a free one) for the tritonserver at grpc_url, and wait until it serves.
-    target_dir: the target checkpoint whose chat template and tokenizer the gateway uses (gateway_target_dir)."""
+    target_dir: the target checkpoint whose chat template and tokenizer the gateway uses (gateway_target_dir);
+    reasoning_parser: the build's (build_reasoning_parser)."""
     env = {k: v for k, v in os.environ.items() if k != OPENAI_API_KEY_ENV}
     if api_key:
         env[OPENAI_API_KEY_ENV] = api_key  # not in argv, where ps would show it
@@ -180,6 +182,8 @@ def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, 
                "--host", host, "--port", str(port), "--graceful-seconds", str(graceful_seconds)]
     if target_dir is not None:
         command += ["--target-dir", str(target_dir)]
+    if reasoning_parser is not None:
+        command += ["--reasoning-parser", reasoning_parser]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()  # "dflash-gateway: listening on http://HOST:PORT ...", or nothing if it died
     if "listening on http://" not in line:
@@ -216,6 +220,14 @@ def model_id(repository: Path) -> str:
         return read_manifest(repository.parent).model_id
     except DFlashError:
         return repository.parent.name
+
+
+def build_reasoning_parser(repository: Path) -> str | None:
+    """The reasoning parser the build names for the gateway (its manifest, beside the repository); None without."""
+    try:
+        return read_manifest(repository.parent).reasoning_parser
+    except DFlashError:
+        return None
 
 
 def gateway_target_dir(repository: Path) -> Path | None:
@@ -522,7 +534,8 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
         server.wait_ready(ready_timeout)
         if openai_port is not None:
             server.gateway = start_gateway(server.grpc_url, served_id, ports["openai"], openai_api_key,
-                                           drain_seconds + DRAIN_SLACK_S, target_dir=target_dir, host=host)
+                                           drain_seconds + DRAIN_SLACK_S, target_dir=target_dir, host=host,
+                                           reasoning_parser=build_reasoning_parser(repository))
     except BaseException:  # also SIGINT/SIGTERM while models load: never leave tritonserver behind
         process.kill()
         process.wait()

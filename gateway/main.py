@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 
+from dflash_contract.presets import REASONING_PARSERS
 from dflash_contract.server import DRAIN_SECONDS, GATEWAY_HEALTH_PATH, OPENAI_API_KEY_ENV, PORTS
 
 from .app import Settings, create_app
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-dir", help="the build's target checkpoint (<build>/target): for a --runtime "
                         "trtllm server, whose model takes raw text only, the gateway puts conversations in its chat "
                         "template and counts tokens with its tokenizer.json (dflash-serve passes it)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                        help="split a thinking model's reasoning into reasoning_content (dflash-serve passes the "
+                        "build's: build.py --reasoning-parser)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=PORTS["openai"], help="0 = pick a free port (printed)")
     parser.add_argument("--api-key", default=os.environ.get(OPENAI_API_KEY_ENV) or None,
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     settings = Settings(args.triton_url, args.model_id, args.api_key, args.default_max_tokens, args.max_body_bytes,
-                        args.target_dir)
+                        args.target_dir, args.reasoning_parser)
     # bound here, so that port 0 is known before serving (and said once, for whoever started us)
     try:
         sock = socket.create_server((args.host, args.port), reuse_port=False)
