@@ -45,6 +45,9 @@ class GenerationParams:
     repetition_penalty: float = 1.0  # vLLM's penalties: 1, 0 and 0 are off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # each token's log-probability (the target's, after temperature) and this many most likely ones (0-20) in every
+    # Response; None: none
+    logprobs: int | None = None
 
     def __post_init__(self):
         # The tensor types bound what fits (INT32, UINT64); within them, the server's ranges.
@@ -63,6 +66,8 @@ class GenerationParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must not be empty")
         error = stop_words_error("stop", self.stop)
         _check(error is None, error)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               f"logprobs must be None or a number of top tokens in [0, 20], got {self.logprobs!r}")
         error = None if self.speculative_sampling is None else speculative_sampling_error(self.speculative_sampling)
         _check(error is None, error)
 

@@ -124,6 +124,10 @@ class Request:
         for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
             if getattr(p, name) != off:
                 fields[name] = getattr(p, name)
+        if p.logprobs is not None:
+            fields["return_log_probs"] = True
+            if p.logprobs:
+                fields["top_logprobs"] = p.logprobs
         if p.guide is not None:
             fields[TYPE_INPUT] = p.guide.type
             if p.guide.text:
@@ -137,6 +141,9 @@ class Response:
     finish_reason: str  # "" until the last response
     stats: SpeculationStats
     final: bool  # the server sends nothing more for this request
+    # where asked for (GenerationParams.logprobs): the new tokens' log-probabilities, OpenAI's per-token entries
+    # (dflash_contract.protocol.LOGPROB_OUTPUTS)
+    logprobs: list[dict] | None = None
 
 
 class _FrontFinder:
@@ -333,7 +340,9 @@ class _BlsCall:
         return self.fields
 
     def response(self, get: Callable[[str], object], final: bool) -> Response:
-        return Response(_str(get("text_output")), _str(get(FINISH_REASON)), _stats(get), final)
+        entries = get("logprobs")
+        return Response(_str(get("text_output")), _str(get(FINISH_REASON)), _stats(get), final,
+                        None if entries is None else json.loads(_str(entries)))
 
 
 class _LlmApiCall:
@@ -400,7 +409,8 @@ def _llmapi_fields(request: Request, prompt: str) -> dict[str, object]:
     p = request.params
     unavailable = {"min_tokens": p.min_tokens or None, "end_id": p.end_id,  # no such LLM-API inputs
                    "speculative_sampling": p.speculative_sampling, TYPE_INPUT: p.guide and p.guide.type,
-                   "repetition_penalty": None if p.repetition_penalty == 1 else p.repetition_penalty}
+                   "repetition_penalty": None if p.repetition_penalty == 1 else p.repetition_penalty,
+                   "logprobs": p.logprobs}
     for name, value in unavailable.items():
         if value is not None:
             raise InvalidRequest(invalid_request(

@@ -23,7 +23,6 @@ FIXED_INPUTS = {
     "exclude_input_in_output": ("BOOL", True, "responses carry only the generated text"),
     "beam_width": ("INT32", 1, "no beam search"),
     "num_return_sequences": ("INT32", 1, "one sequence per request"),
-    "return_log_probs": ("BOOL", False, "no log probabilities"),
     "return_context_logits": ("BOOL", False, "no logits"),
     "return_generation_logits": ("BOOL", False, "no logits"),
     "length_penalty": ("FP32", None, "beam search only"),  # None: any value, which one beam never uses
@@ -63,6 +62,10 @@ FRONT_INPUTS = {
     # guided decoding (structured outputs): the kind and the guide, tensorrtllm_backend's names (guided_decoding.py)
     "guided_decoding_guide_type": "BYTES",
     "guided_decoding_guide": "BYTES",
+    # log-probabilities of the output tokens (LOGPROB_OUTPUTS): tensorrtllm_backend's switch, and how many of the most
+    # likely tokens to add at each position (OpenAI's top_logprobs, 0-20)
+    "return_log_probs": "BOOL",
+    "top_logprobs": "INT32",
     # vLLM's penalties (dflash_runtime/penalties.py), under tensorrtllm_backend's names; 1, 0, 0: off
     "repetition_penalty": "FP32",
     "presence_penalty": "FP32",
@@ -75,10 +78,14 @@ MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 ENGINE_INPUTS = ("max_tokens", "clip_max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p", "seed",
                  "random_seed", "speculative_sampling", "end_id", "pad_id", "stop_words", "bad_words",
                  "guided_decoding_guide_type", "guided_decoding_guide", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty")
+                 "frequency_penalty", "return_log_probs", "top_logprobs")
 # `dflash` model outputs besides the statistics: a window of token ids and how many were shown before.
 TOKEN_OUTPUTS = ("output_ids", "read_offset")
 FINISH_REASON = "finish_reason"  # BYTES: "" while running, then "stop", "length" or "cancelled"
+# With return_log_probs, each response's new tokens' log-probabilities: tensorrtllm_backend's output_log_probs (one
+# float per token), and ours, "logprobs": JSON, per token OpenAI's {"token", "bytes", "logprob", "top_logprobs":
+# [{"token", "bytes", "logprob"}, ...]} (dflash_runtime/logprobs.py: the target's, after temperature)
+LOGPROB_OUTPUTS = {"output_log_probs": "FP32", "logprobs": "BYTES"}
 
 
 @dataclass(frozen=True)
@@ -270,6 +277,7 @@ RANGES = {
     "min_tokens": (lambda v: v >= 0, ">= 0"),
     "min_length": (lambda v: v >= 0, ">= 0"),
     "repetition_penalty": (lambda v: v > 0, "> 0"),
+    "top_logprobs": (lambda v: 0 <= v <= 20, "in [0, 20]"),
     "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
 }

@@ -30,6 +30,7 @@ from .config import DFlashError
 from .drafter import DFlashDrafter
 from .block_manager import BlockManager
 from .grammar import GrammarCompiler, mask_logits, new_bitmask
+from .logprobs import token_logprobs
 from .penalties import apply_penalties, penalised
 from .kv_cache import BLOCK_SIZE, null_padded
 from .kv_injection.op import KERNEL_IS_FASTER
@@ -261,9 +262,9 @@ class SpeculativeEngine:
                 if self.policy is not None and self._stalls() == stalls:  # a stalled step would teach a false cost
                     seconds = self.last_step_seconds
                     self.policy.costs.observe(len(batch), k, seconds["draft"] + seconds["verify"])
-                for seq, (tokens, accepted) in zip(batch, chosen):
+                for seq, (tokens, accepted, logprobs) in zip(batch, chosen):
                     seq.num_computed += accepted + 1  # the accepted drafts and the token before them
-                    committed = self._commit(seq, tokens)
+                    committed = self._commit(seq, tokens, logprobs)
                     self._record(seq, accepted, k - 1, len(committed))
                     outputs.append(StepOutput(seq, committed, seq.stats.acceptance_lengths[-1]))
                 self.last_verify_length = k
@@ -292,8 +293,8 @@ class SpeculativeEngine:
                     break
         if not parts:
             return []
-        return [StepOutput(seq, self._commit(seq, first))
-                for (seq, _), first in zip(parts, self._prefill(parts)) if first]
+        return [StepOutput(seq, self._commit(seq, first, logprobs))
+                for (seq, _), (first, logprobs) in zip(parts, self._prefill(parts)) if first]
 
     def _on_device(self):
         """On CUDA, self.device as the current device: an engine on cuda:1 launches its kernels and graphs
@@ -320,9 +321,10 @@ class SpeculativeEngine:
         if self.policy is not None:
             self.policy.acceptance[seq.params.acceptance_kind].observe(accepted, reached)
 
-    def _prefill(self, parts: list[tuple[Sequence, int]]) -> list[list[int]]:
+    def _prefill(self, parts: list[tuple[Sequence, int]]) -> list[tuple[list[int], list | None]]:
         """One target pass over tokens [seq.num_computed, end) of each (seq, end), after what the cache holds;
-        returns each one's first output token (as a list) if its prompt is now in, else nothing.
+        returns each one's first output token (as a list) if its prompt is now in, else nothing, and its
+        log-probabilities where asked for.
 
         Rows are padded to the longest part; a padding token sits past its row's end, where no query of the row
         looks, in the row's own blocks or the null block, and is overwritten before it is ever read."""
@@ -343,23 +345,25 @@ class SpeculativeEngine:
         firsts = []
         for row, (seq, end) in enumerate(parts):
             seq.num_computed = end
-            firsts.append([])
+            firsts.append(([], None))
             if end == len(seq.prompt_ids) and not seq.output_ids:
                 self._hold_stop_tokens(logits, [seq], [row])
                 if penalised(seq.params):
                     apply_penalties(logits[row], None, seq.prompt_ids, [], seq.params)
                 self._mask_guided(logits, [(seq, row, [])] if seq.grammar is not None else [])
-                firsts[-1] = choose_tokens(logits[row], seq.params, end)  # reads the device: the clock's marks are done
+                first = choose_tokens(logits[row], seq.params, end)  # reads the device: the clock's marks are done
+                wanted = seq.params.logprobs is not None
+                firsts[-1] = first, token_logprobs(logits[row], torch.tensor(first), seq.params) if wanted else None
         seconds, = clock.intervals()
         for seq in seqs:
             seq.stats.verify_seconds += seconds
         self.last_step_seconds["prefill"] += seconds
         return firsts
 
-    def _speculate(self, batch: list[Sequence], k: int) -> list[tuple[list[int], int]]:
+    def _speculate(self, batch: list[Sequence], k: int) -> list[tuple[list[int], int, list | None]]:
         """One draft pass and one verify pass of length k for the whole batch; returns per sequence its
-        accepted drafts plus the target's token after them (the bonus), before any stop condition, and
-        how many drafts were accepted."""
+        accepted drafts plus the target's token after them (the bonus), before any stop condition, how many
+        drafts were accepted, and where asked for each block position's log-probabilities (logprobs.py)."""
         num_rows = batch_bucket(len(batch), self.scheduler.num_slots) if self.static_shapes else len(batch)
         row_of = list(range(len(batch)))  # rows past the batch (static shapes) pad: token 0 at position 0
         inputs = self._to_device([[s.output_ids[-1], s.last_position] for s in batch] + [[0, 0]] * (num_rows - len(batch)))
@@ -398,7 +402,9 @@ class SpeculativeEngine:
         for seq in batch:
             seq.stats.draft_seconds += draft_seconds
             seq.stats.verify_seconds += verify_seconds
-        return [(result[r][:result[r][-1] + 1], result[r][-1]) for r in row_of]
+        logprobs = {row: token_logprobs(logits[row], chosen[row], seq.params)
+                    for seq, row in zip(batch, row_of) if seq.params.logprobs is not None}
+        return [(result[r][:result[r][-1] + 1], result[r][-1], logprobs.get(r)) for r in row_of]
 
     def _tables(self, batch: list[Sequence | None], length: int) -> torch.Tensor:
         """The block tables [len(batch), W] of sequences (None: a padding row) for passes reading `length` keys."""
@@ -644,7 +650,7 @@ class SpeculativeEngine:
             for _ in range(batch_size):
                 self.scheduler.add(Sequence([t % vocab for t in range(prompt_length)], SamplingParams()))
             for seq in self.scheduler.admit():
-                seq.output_ids += self._prefill([(seq, prompt_length)])[0]  # not committed: a dummy may not stop
+                seq.output_ids += self._prefill([(seq, prompt_length)])[0][0]  # not committed: a dummy may not stop
             batch = list(self.scheduler.running)
             profile[batch_size] = {k: self._time_speculate(batch, k) for k in doubling(self.block_size)}
             for seq in batch:
@@ -665,7 +671,7 @@ class SpeculativeEngine:
         return to_device(data, self.device)
 
     # -- postprocessing -----------------------------------------------------------------------
-    def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
+    def _commit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> list[int]:
         """Append tokens up to the first stop condition, finishing `seq` there; returns what was appended. A guided
         sequence whose grammar has ended (or takes no more: min_tokens held its only stop) stops before the token."""
         p = seq.params
@@ -675,6 +681,8 @@ class SpeculativeEngine:
                 self._finish(seq, "stop")
                 return tokens[:n - 1]
             seq.output_ids.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[n - 1])
             stops = len(seq.output_ids) > p.min_new_tokens  # before, none applies (stop ids could not be chosen)
             if stops and (token in stop_ids or (p.stop_strings and self._matches_stop_string(seq))):
                 self._finish(seq, "stop")

@@ -40,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logprobs: int | None = None  # report each token's log-probability and this many top ones (logprobs.py)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -58,6 +59,8 @@ class SamplingParams:
             check_speculative_sampling(self.speculative_sampling)
         if not self.repetition_penalty > 0:
             raise DFlashError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise DFlashError(f"logprobs must be in [0, 20] top tokens, got {self.logprobs}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise DFlashError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

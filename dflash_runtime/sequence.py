@@ -28,6 +28,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when it was first admitted
     preemptions: int = 0  # times its blocks were taken back and it was requeued to be recomputed
     grammar: SequenceGrammar | None = None  # a guided request's grammar state (grammar.py)
+    logprobs: list = field(default_factory=list)  # per output token, where asked for (logprobs.TokenLogprobs)
 
     @property
     def num_tokens(self) -> int:

@@ -54,6 +54,7 @@ class Chunk:
     prompt_tokens: int
     output_tokens: int  # so far
     cached_tokens: int  # of the prompt's, found in the prefix cache (0 before the sequence is admitted)
+    logprobs: list | None = None  # the new tokens' (dflash_runtime.logprobs.TokenLogprobs), where asked for
 
 
 class Stream(Protocol):
@@ -324,7 +325,8 @@ class EngineLoop:
             return
         window, read_offset = token_window(seq.output_ids, request.shown)
         chunk = Chunk(window, read_offset, seq.finished, seq.finish_reason, seq.stats, len(seq.prompt_ids),
-                      len(seq.output_ids), seq.num_cached_tokens or 0)
+                      len(seq.output_ids), seq.num_cached_tokens or 0,
+                      seq.logprobs[request.shown:] if seq.params.logprobs is not None else None)
         request.shown = len(seq.output_ids)
         try:
             request.stream.send(chunk)

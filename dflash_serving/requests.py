@@ -106,6 +106,7 @@ def parse_engine_request(tensor: TensorGetter, max_context: int) -> tuple[list[i
         repetition_penalty=float(scalar(tensor, "repetition_penalty", 1.0)),
         presence_penalty=float(scalar(tensor, "presence_penalty", 0.0)),
         frequency_penalty=float(scalar(tensor, "frequency_penalty", 0.0)),
+        logprobs=logprobs(tensor),
     )
     return ids[0].tolist(), params, bool(scalar(tensor, "stream", False))
 
@@ -162,6 +163,16 @@ def guide(tensor: TensorGetter) -> Guide | None:
     to compile."""
     texts = {name: scalar(tensor, name) for name in (TYPE_INPUT, GUIDE_INPUT)}
     return guide_of(*(None if value is None else utf8(name, value) for name, value in texts.items()))
+
+
+def logprobs(tensor: TensorGetter) -> int | None:
+    """The top log-probabilities a request asks for with each token (None: no log-probabilities)."""
+    top = scalar(tensor, "top_logprobs")
+    if not scalar(tensor, "return_log_probs", False):
+        if top:
+            raise DFlashError("top_logprobs needs return_log_probs=true")
+        return None
+    return int(top or 0)
 
 
 def is_stop_request(tensor: TensorGetter) -> bool:

@@ -29,8 +29,6 @@ from .tools import ToolError, ToolPlan, tool_plan
 EXTENSION_FIELD = "dflash"  # our statistics, in the final chunk and in a whole response
 # Fields accepted only at these values (None: absent or null): OpenAI's defaults, which the engine serves
 NEUTRAL = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "functions": (None, []),
     "function_call": (None, "none"),
@@ -53,6 +51,7 @@ CHAT_FIELDS = frozenset((*SAMPLING, "messages", "max_completion_tokens", "max_to
 COMPLETION_FIELDS = frozenset((*SAMPLING, "prompt", "max_tokens", "n", "logprobs", "logit_bias", "echo", "best_of",
                                "suffix", *INERT))
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TOP_LOGPROBS = 20  # OpenAI's
 SEED_STEP = 0x9E3779B97F4A7C15  # choice i's seed: the request's + i steps (Translated.choice_requests)
 
 
@@ -126,8 +125,31 @@ def chat_request(body: object, model_id: str, default_max_tokens: int, reasoning
                           "structured_outputs with it", "tool_choice")
         guide = plan.guide()
     t = _translated(body, prompt, limit, default_max_tokens,
-                    "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens", guide)
+                    "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens", guide,
+                    _chat_logprobs(body))
     return replace(t, tools=plan, reasoning=reasoning)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's logprobs (true / false) and top_logprobs (0-20) as the engine's number of top tokens, None for none."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted not in (None, True, False):
+        raise invalid("logprobs must be true or false", "logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise invalid(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+    if top and not wanted:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """The completions API's logprobs: a number of top tokens (0-20; OpenAI's legacy limit is 5), None for none."""
+    top = body.get("logprobs")
+    if top is None:
+        return None
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+    return top
 
 
 def completion_request(body: object, model_id: str) -> Translated:
@@ -139,7 +161,7 @@ def completion_request(body: object, model_id: str) -> Translated:
         raise invalid("prompt must be a non-empty string (one prompt per request; token-id prompts are not "
                       "supported)", "prompt")
     return _translated(body, _prompt(prompt, chat=False), body.get("max_tokens"), COMPLETION_DEFAULT_MAX_TOKENS,
-                       "max_tokens", _guide(body))
+                       "max_tokens", _guide(body), _completion_logprobs(body))
 
 
 def _guide(body: dict) -> Guide | None:
@@ -181,7 +203,7 @@ def _checked(body: object, known: frozenset[str], model_id: str) -> dict:
 
 
 def _translated(body: dict, prompt: dict, max_tokens: object, default_max_tokens: int,
-                max_tokens_name: str, guide: Guide | None) -> Translated:
+                max_tokens_name: str, guide: Guide | None, logprobs: int | None) -> Translated:
     """max_tokens None: the default, which the server lowers to what the context leaves after the prompt (vLLM's
     rule); a number the client sent is not lowered: past the context it is refused."""
     stop = body.get("stop")
@@ -207,7 +229,8 @@ def _translated(body: dict, prompt: dict, max_tokens: object, default_max_tokens
     try:  # end_id -1 replaces the end-of-sequence ids by one that never comes
         params = GenerationParams(stop=tuple(s for s in stop if s), end_id=-1 if ignore_eos else None,
                                   clip_max_tokens=max_tokens is None,
-                                  speculative_sampling=body.get("speculative_sampling"), guide=guide, **values)
+                                  speculative_sampling=body.get("speculative_sampling"), guide=guide,
+                                  logprobs=logprobs, **values)
     except InvalidRequest as e:  # the server's rules (ranges, limits), checked by the clients' GenerationParams
         name = next((n for n in (*values, "stop", "speculative_sampling") if str(e).startswith(n)), None)
         message = str(e) if name is None else _name(name, max_tokens_name) + str(e)[len(name):]
@@ -283,12 +306,13 @@ def statistics(stats: SpeculationStats) -> dict:
             "mean_acceptance_length": stats.mean_acceptance_length and round(stats.mean_acceptance_length, 4)}
 
 
-def chat_response(t: Translated, model_id: str, results: list[tuple[str, str, SpeculationStats]]) -> dict:
-    """The whole answer; results: (text, our finish reason, counts) per choice."""
+def chat_response(t: Translated, model_id: str, results: list[tuple[str, str, SpeculationStats, list]]) -> dict:
+    """The whole answer; results: (text, our finish reason, counts, logprobs entries) per choice."""
     choices = []
-    for i, (text, reason, _) in enumerate(results):
+    for i, (text, reason, _, entries) in enumerate(results):
         message, reason = chat_message(t, text, reason)
-        choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": reason})
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(t, entries),
+                        "finish_reason": reason})
     stats = combined([r[2] for r in results])
     return {"id": f"chatcmpl-{t.id}", "object": "chat.completion", "created": t.created, "model": model_id,
             "choices": choices, "usage": usage(stats), EXTENSION_FIELD: statistics(stats)}
@@ -306,30 +330,52 @@ def chat_message(t: Translated, text: str, reason: str) -> tuple[dict, str]:
     return {**message, "content": content, "tool_calls": calls}, "tool_calls"
 
 
-def completion_response(t: Translated, model_id: str, results: list[tuple[str, str, SpeculationStats]]) -> dict:
-    choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
-               for i, (text, reason, _) in enumerate(results)]
+def completion_response(t: Translated, model_id: str, results: list[tuple[str, str, SpeculationStats, list]]) -> dict:
+    choices = [{"index": i, "text": text, "logprobs": completion_logprobs(t, entries),
+                "finish_reason": finish_reason(reason)} for i, (text, reason, _, entries) in enumerate(results)]
     stats = combined([r[2] for r in results])
     return {"id": f"cmpl-{t.id}", "object": "text_completion", "created": t.created, "model": model_id,
             "choices": choices, "usage": usage(stats), EXTENSION_FIELD: statistics(stats)}
 
 
 def chat_chunk(t: Translated, model_id: str, delta: dict | None, reason: str | None = None,
-               stats: SpeculationStats | None = None, index: int = 0) -> dict:
-    """A chat.completion.chunk of choice `index`: a delta; with `reason`, the one chunk that carries finish_reason
-    (and our statistics); with delta None, the usage chunk (no choices)."""
+               stats: SpeculationStats | None = None, index: int = 0, entries: list | None = None) -> dict:
+    """A chat.completion.chunk of choice `index`: a delta (and its tokens' logprobs entries); with `reason`, the one
+    chunk that carries finish_reason (and our statistics); with delta None, the usage chunk (no choices)."""
     chunk = {"id": f"chatcmpl-{t.id}", "object": "chat.completion.chunk", "created": t.created, "model": model_id,
-             "choices": [] if delta is None else [{"index": index, "delta": delta, "logprobs": None,
+             "choices": [] if delta is None else [{"index": index, "delta": delta,
+                                                    "logprobs": chat_logprobs(t, entries),
                                                     "finish_reason": reason and finish_reason(reason)}]}
     return _with_extras(chunk, t, delta is None, reason, stats)
 
 
 def completion_chunk(t: Translated, model_id: str, text: str | None, reason: str | None = None,
-                     stats: SpeculationStats | None = None, index: int = 0) -> dict:
+                     stats: SpeculationStats | None = None, index: int = 0, entries: list | None = None) -> dict:
     chunk = {"id": f"cmpl-{t.id}", "object": "text_completion", "created": t.created, "model": model_id,
-             "choices": [] if text is None else [{"index": index, "text": text, "logprobs": None,
+             "choices": [] if text is None else [{"index": index, "text": text,
+                                                   "logprobs": completion_logprobs(t, entries),
                                                    "finish_reason": reason and finish_reason(reason)}]}
     return _with_extras(chunk, t, text is None, reason, stats)
+
+
+def chat_logprobs(t: Translated, entries: list | None) -> dict | None:
+    """Chat's logprobs of some tokens: {"content": the server's entries} (None where the request asked for none)."""
+    if t.request.params.logprobs is None:
+        return None
+    return {"content": list(entries or []), "refusal": None}
+
+
+def completion_logprobs(t: Translated, entries: list | None) -> dict | None:
+    """The completions API's legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
+    if t.request.params.logprobs is None:
+        return None
+    entries, offsets, at = entries or [], [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{top["token"]: top["logprob"] for top in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def _with_extras(chunk: dict, t: Translated, usage_chunk: bool, reason: str | None, stats) -> dict:

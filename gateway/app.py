@@ -188,7 +188,7 @@ async def _answer(request: Request, transport: GrpcTransport, t: api.Translated,
     except DFlashClientError as e:
         raise _api_error(e) from None
     build = api.chat_response if chat else api.completion_response
-    return build(t, model_id, [(text, last.finish_reason, last.stats) for text, last in results])
+    return build(t, model_id, [(text, last.finish_reason, last.stats, entries) for text, last, entries in results])
 
 
 async def _open(transport: GrpcTransport, t: api.Translated) -> list[tuple[Response, AsyncIterator[Response]]]:
@@ -220,13 +220,15 @@ async def _first(transport: GrpcTransport, request) -> tuple[Response, AsyncIter
     return first, responses
 
 
-async def _collect(first: Response, responses: AsyncIterator[Response]) -> tuple[str, Response]:
-    texts, response = [first.text], first
+async def _collect(first: Response, responses: AsyncIterator[Response]) -> tuple[str, Response, list]:
+    """(the whole text, the last response, every token's logprobs entries) of one choice."""
+    texts, entries, response = [first.text], list(first.logprobs or []), first
     async with contextlib.aclosing(responses):
         while not _finished(response):
             response = await _next(responses)
             texts.append(response.text)
-    return "".join(texts), response
+            entries += response.logprobs or []
+    return "".join(texts), response, entries
 
 
 def _finished(response: Response) -> bool:
@@ -309,20 +311,21 @@ async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: in
                          responses: AsyncIterator[Response], lasts: dict) -> AsyncIterator[tuple[dict, bool]]:
     """(chunk, has text?) of one choice: its role chunk, text deltas and finish chunk; its last response in
     lasts[index]."""
-    def chunk(text: str, reason: str | None = None, stats=None) -> dict:
+    def chunk(text: str, reason: str | None = None, stats=None, entries=None) -> dict:
         if not chat:
-            return api.completion_chunk(t, model_id, text, reason, stats, index)
+            return api.completion_chunk(t, model_id, text, reason, stats, index, entries)
         delta = {"content": text} if text or reason is None else {}  # the finish chunk's is empty without text
-        return api.chat_chunk(t, model_id, delta, reason, stats, index)
+        return api.chat_chunk(t, model_id, delta, reason, stats, index, entries)
 
     held = chat and t.tools is not None and t.tools.parses  # the whole answer is needed to find its tool calls
     thoughts = StreamSplitter() if chat and t.reasoning and not held else None
-    texts = []
+    texts, entries = [], []  # entries: logprobs of tokens whose text has not gone out yet
     async with contextlib.aclosing(responses):
         if chat:
             yield api.chat_chunk(t, model_id, {"role": "assistant", "content": ""}, index=index), False
         response = first
         while not _finished(response):
+            entries += response.logprobs or []
             if response.text and held:
                 texts.append(response.text)
             elif response.text and thoughts is not None:
@@ -332,7 +335,8 @@ async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: in
                 if text:
                     yield chunk(text), True
             elif response.text:
-                yield chunk(response.text), True
+                yield chunk(response.text, entries=entries), True
+                entries = []
             response = await _next(responses)
         lasts[index] = response
         if held:
@@ -344,7 +348,8 @@ async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: in
                 yield api.chat_chunk(t, model_id, {"reasoning_content": thought}, index=index), True
             yield chunk(text, response.finish_reason, response.stats), bool(text)
         else:
-            yield chunk(response.text, response.finish_reason, response.stats), bool(response.text)
+            yield chunk(response.text, response.finish_reason, response.stats, entries + (response.logprobs or [])), \
+                bool(response.text)
 
 
 def _tool_chunks(t: api.Translated, model_id: str, text: str, last: Response, index: int) -> list[dict]:

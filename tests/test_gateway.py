@@ -225,7 +225,7 @@ BAD_REQUESTS = {  # request fields -> (exception class, param the error names)
     "n = 0": (dict(n=0), openai.BadRequestError, "n"),
     "tool parameters not a schema": (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
                                      openai.BadRequestError, "tools"),
-    "logprobs": (dict(logprobs=True), openai.BadRequestError, "logprobs"),
+    "logprobs not a bool": (dict(extra_body={"logprobs": "yes"}), openai.BadRequestError, "logprobs"),
     "presence penalty over 2": (dict(presence_penalty=2.5), openai.BadRequestError, "presence_penalty"),
     "repetition penalty 0": (dict(extra_body={"repetition_penalty": 0}), openai.BadRequestError, "repetition_penalty"),
     "schema that does not compile": (dict(response_format={"type": "json_schema", "json_schema": {

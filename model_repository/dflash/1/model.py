@@ -22,6 +22,7 @@ from dflash_contract.versions import version_warning
 from dflash_runtime.pipeline import load_pipeline
 from dflash_runtime.verify_length import StepCosts
 from dflash_serving.engine_loop import EngineLoop, EngineStopped, QueueFull
+from dflash_serving.logprobs import TokenTexts
 from dflash_serving.metrics import ARRIVAL_INPUT, RequestMetrics, TritonRegistry, front_model
 from dflash_serving.model_args import artifact_path, model_parameters
 from dflash_serving.requests import is_stop_request, parse_engine_request
@@ -46,6 +47,7 @@ class TritonPythonModel:
             pipeline = load_pipeline(str(artifact_path(args, params["target_dir"])),
                                      str(artifact_path(args, drafter)) if drafter else None,
                                      dtype=params["dtype"], device=params["device"])
+            self.token_texts = TokenTexts(pipeline.tokenizer) if pipeline.tokenizer is not None else None
             # the build's profile of step times; on another device the engine profiles itself
             step_costs = StepCosts.from_json(json.loads(artifact_path(args, profile).read_text())) if profile else None
             return pipeline.engine(block_size=block_size, max_batch_size=max_batch_size,
@@ -93,7 +95,7 @@ class TritonPythonModel:
             if is_stop_request(tensor):
                 self._stop(request)
                 continue
-            stream = TritonStream(request, self.in_flight, self._timeline(request, tensor))
+            stream = TritonStream(request, self.in_flight, self._timeline(request, tensor), self.token_texts)
             try:
                 prompt_ids, params, streaming = parse_engine_request(tensor, self.loop.engine.max_context)
             except DFlashError as e:
@@ -138,8 +140,9 @@ class TritonPythonModel:
 class TritonStream:
     """The engine loop's view of one request: send chunks, fail, ask whether it was cancelled."""
 
-    def __init__(self, request, in_flight, timeline=None):
+    def __init__(self, request, in_flight, timeline=None, token_texts=None):
         self.sender = request.get_response_sender()
+        self.token_texts = token_texts  # dflash_serving.logprobs.TokenTexts: the text of logprobs' tokens
         self.stopped = False
         self.timeline = timeline  # dflash_serving.metrics.RequestTimeline, or None: not counted here
         self.request_id, self.in_flight = request.request_id(), in_flight
@@ -155,6 +158,8 @@ class TritonStream:
                    pb_utils.Tensor(FINISH_REASON, np.array([[chunk.finish_reason or ""]], dtype=object))]
         tensors += [pb_utils.Tensor(s.tensor, np.array([[values[s.field]]], dtype=_numpy_type(s.data_type)))
                     for s in STATISTICS if values[s.field] is not None]
+        if chunk.logprobs is not None:
+            tensors += self._logprobs(chunk.token_ids[chunk.read_offset:], chunk.logprobs)
         response = pb_utils.InferenceResponse(tensors)
         if chunk.finished:
             self._forget()
@@ -168,6 +173,13 @@ class TritonStream:
             self.timeline.responded(chunk.output_tokens)
             if chunk.finished:
                 self.timeline.finished(chunk.finish_reason)
+
+    def _logprobs(self, tokens, logprobs):
+        """LOGPROB_OUTPUTS of a response's new tokens: one float per token, and OpenAI's entries as JSON."""
+        entries = self.token_texts.entries(tokens, logprobs) if self.token_texts is not None else \
+            [{"token": "", "bytes": [], "logprob": lp, "top_logprobs": []} for lp, _ in logprobs]
+        return [pb_utils.Tensor("output_log_probs", np.array([[lp for lp, _ in logprobs]], dtype=np.float32)),
+                pb_utils.Tensor("logprobs", np.array([[json.dumps(entries, ensure_ascii=False)]], dtype=object))]
 
     def refuse(self, message, code):
         """Refuse the request at the door: counted before the client hears of it."""

@@ -5,6 +5,7 @@ client: once the client cancels, it sends `dflash` a `stop` request with the str
 (tensorrtllm_backend's protocol), and the engine frees the sequence's slot at its next
 cancellation check. Decoupled BLS `cancel()` would do the same, but only Triton >= 25.05 has it.
 """
+import json
 import threading
 import time
 import uuid
@@ -13,12 +14,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dflash_contract.protocol import (CANCELLED_MESSAGE, ENGINE_INPUTS, ENGINE_STOPPED_MESSAGE, FINISH_REASON,
-                                      FRONT_INPUTS, INTERNAL_ERROR_PREFIX, STATISTICS, TOKEN_OUTPUTS, error_class,
-                                      invalid_request, parameters_error)
+                                      FRONT_INPUTS, INTERNAL_ERROR_PREFIX, LOGPROB_OUTPUTS, STATISTICS, TOKEN_OUTPUTS,
+                                      error_class, invalid_request, parameters_error)
 from dflash_contract.server import acknowledged_path, failure_signal
 from dflash_serving.metrics import BLS_CALL_PREFIX, RequestMetrics, TritonRegistry
 
-RESPONSE_OUTPUTS = (FINISH_REASON, *(s.tensor for s in STATISTICS))  # passed on to the client as they are
+RESPONSE_OUTPUTS = (FINISH_REASON, *(s.tensor for s in STATISTICS), *LOGPROB_OUTPUTS)  # passed on as they are
 TOKENS_SO_FAR = next(s.tensor for s in STATISTICS if s.field == "completion_tokens")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -140,7 +141,7 @@ def _generate(request, client):
     engine = pb_utils.InferenceRequest(
         model_name="dflash", inputs=inputs + _inputs(request, ENGINE_INPUTS), request_id=request_id,
         requested_output_names=[*TOKEN_OUTPUTS, *RESPONSE_OUTPUTS])
-    texts, last, finish_reason, stopped = [], None, "", False
+    texts, logprobs, last, finish_reason, stopped = [], [], None, "", False
     # streamed even when the client asked for one response: a response per step is where
     # cancellation is seen
     try:
@@ -167,6 +168,7 @@ def _generate(request, client):
                 client.send(_answer(delta, response), final=bool(reason))
             else:
                 texts.append(delta)
+                logprobs.append(response)
             client.timeline.responded(pb_utils.get_output_tensor_by_name(response, TOKENS_SO_FAR).as_numpy().item())
             last, finish_reason = response, reason
     except Exception:  # e.g. the client is gone and sending fails: do not leave the engine decoding
@@ -178,7 +180,7 @@ def _generate(request, client):
     if last is None:
         return pb_utils.TritonError("dflash ended the stream without an answer")
     if not streaming:
-        client.send(_answer(b"".join(texts), last), final=True)
+        client.send(_answer(b"".join(texts), last, _joined_logprobs(logprobs)), final=True)
     client.timeline.finished(finish_reason)
     return None
 
@@ -209,7 +211,23 @@ def _stop(request_id):
         pass
 
 
-def _answer(text, engine_response):
-    tensors = [pb_utils.Tensor("text_output", np.array([[text]], dtype=object))]
-    passed = [pb_utils.get_output_tensor_by_name(engine_response, name) for name in RESPONSE_OUTPUTS]
+def _answer(text, engine_response, logprobs=None):
+    """The client's response: the text, and the engine response's other outputs (logprobs: all of a collected
+    answer's instead of its last response's)."""
+    tensors = [pb_utils.Tensor("text_output", np.array([[text]], dtype=object))] + (logprobs or [])
+    names = [n for n in RESPONSE_OUTPUTS if not (logprobs and n in LOGPROB_OUTPUTS)]
+    passed = [pb_utils.get_output_tensor_by_name(engine_response, name) for name in names]
     return pb_utils.InferenceResponse(tensors + [t for t in passed if t is not None])  # a statistic may be absent
+
+
+def _joined_logprobs(responses):
+    """LOGPROB_OUTPUTS of a whole answer from its responses' (none if the request asked for none)."""
+    parts = [tuple(pb_utils.get_output_tensor_by_name(r, name) for name in LOGPROB_OUTPUTS) for r in responses]
+    parts = [(floats.as_numpy().reshape(-1), json.loads(entries.as_numpy().item())) for floats, entries in parts
+             if floats is not None]
+    if not parts:
+        return []
+    floats = np.concatenate([f for f, _ in parts])[None].astype(np.float32)
+    entries = [e for _, batch in parts for e in batch]
+    return [pb_utils.Tensor("output_log_probs", floats),
+            pb_utils.Tensor("logprobs", np.array([[json.dumps(entries, ensure_ascii=False)]], dtype=object))]
