@@ -83,7 +83,8 @@ genai-perf: install $(GENAI_PERF_VENV)/.installed
 # Every check that needs a CUDA GPU, in one run sized for a lent machine (meant to fit 10 minutes on an H200). It uses
 # that machine's own python3 (torch, transformers, triton, pytest; no venv, no network, no checkpoint): the GPU
 # tests, then step timings on random-weight targets of the embedded shape and of Qwen3-8B's, as one table and as
-# JSON in $$OUT (or here).
+# JSON in $$OUT (or here). Guided decoding's test and mask timings need xgrammar, which that machine lacks: they skip
+# unless its wheels are carried (README, "Measured on an H200").
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_gpu.py

@@ -21,6 +21,7 @@ lent machine.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -60,6 +61,7 @@ MAX_CONTEXT = 1024  # room for the timed steps even if random drafts were accept
 LONG_CONTEXT = 2048 - max(BLOCKS)
 CONTEXTS = ("short", "long")
 PAGED_KEYS = (2048, 16384)
+PARTS = ("steps", "paged", "masks")
 
 
 def sync(device: torch.device) -> None:
@@ -267,6 +269,80 @@ def paged_attention_row(name: str, batch: int, keys: int, steps: int, device: to
             "paged_vs_contiguous": round(seconds["paged"] / seconds["contiguous"], 2)}
 
 
+def synthetic_vocab(size: int) -> list[str]:
+    """A raw vocabulary of `size` distinct tokens for xgrammar: id 0 the end (empty: special), then every printable
+    ASCII character, then strings of 2+ characters (a real tokenizer's is not needed: a mask's cost is per token)."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 _-.,:\"{}"
+    tokens = [""] + [chr(c) for c in range(32, 127)]
+    n = 0
+    while len(tokens) < size:
+        word, i = "", n + len(alphabet)  # at least two characters
+        while i:
+            i, r = divmod(i, len(alphabet))
+            word += alphabet[r]
+        tokens.append(word)
+        n += 1
+    return tokens
+
+
+# Inside a JSON string, free and bounded: xgrammar checks a bounded string's multi-character tokens at run time
+# (measured on a CPU with SmolLM2's tokenizer: 6 us against 208 us per position with maxLength 40)
+MASK_SCHEMAS = {"string": {"type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]},
+                "maxLength 40": {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 40}},
+                                 "required": ["topic"]}}
+
+
+def grammar_mask_row(name: str, batch: int, steps: int, device: torch.device, dtype: torch.dtype,
+                     schema: str) -> dict:
+    """Guided decoding's mask work in a verify step of the widest block, each sequence inside a JSON string of
+    MASK_SCHEMAS[schema] (every draft a letter): filling xgrammar's bitmasks along the drafts on the host, and
+    applying them to the logits."""
+    import xgrammar
+
+    from dflash_contract.guided_decoding import Guide
+    from dflash_runtime.grammar import GrammarCompiler, mask_logits, new_bitmask
+
+    vocab, k = SHAPES[name][0]["vocab_size"], max(BLOCKS)
+    tokens = synthetic_vocab(vocab)
+    info = xgrammar.TokenizerInfo(tokens, xgrammar.VocabType.RAW, vocab_size=vocab, stop_token_ids=[0])
+    compiler = GrammarCompiler(info)
+    grammars = [compiler.grammar(Guide("json_schema", json.dumps(MASK_SCHEMAS[schema])), [0]) for _ in range(batch)]
+    for grammar in grammars:
+        grammar.matcher.accept_string('{"topic": "')
+    drafts = [tokens.index("a")] * (k - 1)
+    logits = torch.randn(batch * k, vocab, dtype=dtype, device=device)
+    rows = list(range(batch * k))
+    timings = {"fill": [], "apply": []}
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        bitmask = new_bitmask(batch * k, vocab)
+        for i, grammar in enumerate(grammars):
+            grammar.fill_along(drafts, bitmask, i * k)
+        filled = time.perf_counter()
+        sync(device)
+        applied = time.perf_counter()
+        mask_logits(logits, bitmask, rows)
+        sync(device)
+        timings["fill"].append(filled - start)
+        timings["apply"].append(time.perf_counter() - applied)
+    fill, apply = (sorted(t[2:])[steps // 2] * 1e3 for t in timings.values())
+    return {"shape": name, "batch": batch, "schema": schema, "positions": k, "vocab": vocab,
+            "fill_ms": round(fill, 3), "apply_ms": round(apply, 3)}
+
+
+def mask_table(rows: list[dict], steps: list[dict]) -> str:
+    verify = {(r["shape"], r["batch"]): r[f"block{max(BLOCKS)}"]["verify_ms"] for r in steps if not r["keys"]}
+    lines = [f"guided decoding masks, a verify of {max(BLOCKS)} positions per sequence (host fill, device apply)",
+             f"{'shape':13s} {'B':>3s} {'vocab':>7s} {'in a JSON string':16s} {'fill ms':>8s} {'apply ms':>9s} "
+             f"{'vs verify':>9s}"]
+    for r in rows:
+        pass_ms = verify.get((r["shape"], r["batch"]))
+        share = f"{(r['fill_ms'] + r['apply_ms']) / pass_ms:9.3f}" if pass_ms else f"{'-':>9s}"
+        lines.append(f"{r['shape']:13s} {r['batch']:>3d} {r['vocab']:>7d} {r['schema']:16s} {r['fill_ms']:>8.3f} "
+                     f"{r['apply_ms']:>9.3f} {share}")
+    return "\n".join(lines)
+
+
 def paged_table(rows: list[dict]) -> str:
     lines = [f"paged attention, one layer, a query per sequence, blocks of {BLOCK_SIZE}",
              f"{'shape':13s} {'B':>3s} {'keys':>6s} {'paged ms':>9s} {'view ms':>8s} {'ratio':>6s}"]
@@ -311,6 +387,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (the median counts)")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu runs the same code, slowly")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
+                        help="steps: the engine's step timings; paged: paged attention against a view; masks: guided "
+                             "decoding's grammar masks (needs xgrammar; skipped without it) (default: all)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -320,11 +399,17 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
     print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s", file=sys.stderr)
-    rows, paged = [], []
+    rows, paged, masks = [], [], []
     with torch.inference_mode():
         for name in args.shapes:
-            paged += [paged_attention_row(name, batch, keys, args.steps, device, dtype)
-                      for batch in args.batch_sizes for keys in PAGED_KEYS]
+            if "paged" in args.parts:
+                paged += [paged_attention_row(name, batch, keys, args.steps, device, dtype)
+                          for batch in args.batch_sizes for keys in PAGED_KEYS]
+            if "masks" in args.parts and importlib.util.find_spec("xgrammar") is not None:
+                masks += [grammar_mask_row(name, batch, args.steps, device, dtype, schema)
+                          for schema in MASK_SCHEMAS for batch in args.batch_sizes]
+            if "steps" not in args.parts:
+                continue
             with tempfile.TemporaryDirectory() as folder:
                 models = random_models(name, device, dtype, Path(folder))
                 for context in args.contexts:
@@ -334,13 +419,19 @@ def main(argv=None) -> int:
                 del models
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    print(table(rows))
-    print(paged_table(paged))
+    if rows:
+        print(table(rows))
+    if paged:
+        print(paged_table(paged))
+    if masks:
+        print(mask_table(masks, rows))
+    elif "masks" in args.parts:
+        print("guided decoding masks: skipped, xgrammar is not installed here", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(torch.cuda.get_device_name(device)
                                                              if device.type == "cuda" else "cpu"),
                                                "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows,
-                                               "paged_attention": paged},
+                                               "paged_attention": paged, "grammar_masks": masks},
                                               indent=2) + "\n")
     return 0
 

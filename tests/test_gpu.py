@@ -150,3 +150,20 @@ def test_bounds_checks_run_inside_captured_graphs(tiny):
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DFLASH_CHECK_BOUNDS": "1"},
                          capture_output=True, text=True, timeout=300)
     assert "identical True" in run.stdout and "graphs 0" not in run.stdout, run.stderr[-2000:]
+
+
+def test_guided_decoding_on_cuda_is_lossless(tiny):
+    """Grammar masks applied on the GPU (xgrammar's CUDA path), CUDA graphs on: guided DFlash = guided plain
+    decoding on CUDA, greedy and seeded (float32), and every answer that stopped matches its guide."""
+    pytest.importorskip("xgrammar")
+    from test_guided_decoding import EOS, GUIDES, compiler, decode, matches, requests
+
+    target = load_target(tiny[0], device="cuda")
+    drafter = load_drafter(tiny[1], target.config, device="cuda")
+    for guide in GUIDES:
+        runs = [[(s.output_ids, s.finish_reason) for s in SpeculativeEngine(
+            target, drafter, block_size=block_size, max_batch_size=4, grammars=compiler()).generate(
+            PROMPTS + PROMPTS[:1], requests(guide))[:3]] for block_size in (1, BLOCK)]
+        assert runs[0] == runs[1]
+        for output, reason in runs[1]:
+            assert reason == "length" or (output[-1] == EOS and matches(guide, decode(output[:-1])))

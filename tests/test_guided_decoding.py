@@ -53,14 +53,13 @@ def requests(guide: Guide) -> list[SamplingParams]:
 
 
 def matches(guide: Guide, text: str) -> bool:
-    if guide.type == "json_schema":
-        import jsonschema
-
+    if guide.type == "json_schema":  # SCHEMA's rules, checked here (the lent GPU machine has no jsonschema)
         try:
-            jsonschema.validate(json.loads(text), SCHEMA)
-        except (json.JSONDecodeError, jsonschema.ValidationError):
+            found = json.loads(text)
+        except json.JSONDecodeError:
             return False
-        return True
+        return (isinstance(found, dict) and set(found) == {"ok", "n", "tag"} and isinstance(found["ok"], bool)
+                and type(found["n"]) is int and found["n"] <= 99 and found["tag"] in ("ab", "cd", "abcd"))
     if guide.type == "regex":
         return re.fullmatch(guide.text, text) is not None
     return text in ("true", "false", "maybe so")
