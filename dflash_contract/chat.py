@@ -30,12 +30,7 @@ HERMES_SYSTEM = ("# Tools\n\nYou may call one or more functions to assist with t
 def parse_tools(raw: str) -> list[dict]:
     """OpenAI's tool definitions (the `tools` input, JSON) as [{"type": "function", "function": {"name",
     "description", "parameters"}}]; DFlashError naming the tool and field."""
-    try:
-        tools = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"tools: not JSON ({e})") from None
-    if not isinstance(tools, list):
-        raise DFlashError("tools must be a JSON list of {\"type\": \"function\", \"function\": {...}}")
+    tools = _parsed("tools", raw, list, "a JSON list of {\"type\": \"function\", \"function\": {...}}")
     return [_tool(i, tool) for i, tool in enumerate(tools)]
 
 
@@ -56,16 +51,21 @@ def _tool(i: int, tool) -> dict:
 
 def parse_template_kwargs(raw: str) -> dict:
     """chat_template_kwargs (JSON object) for the template; its own arguments and the server's are refused."""
-    try:
-        kwargs = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"chat_template_kwargs: not JSON ({e})") from None
-    if not isinstance(kwargs, dict):
-        raise DFlashError("chat_template_kwargs must be a JSON object")
+    kwargs = _parsed("chat_template_kwargs", raw, dict, "a JSON object")
     reserved = sorted(RESERVED_TEMPLATE_ARGS.intersection(kwargs))
     if reserved:
         raise DFlashError(f"chat_template_kwargs.{reserved[0]} is set by the server, not by a request")
     return kwargs
+
+
+def _parsed(name: str, raw: str, kind: type, shape: str):
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{name}: not JSON ({e})") from None
+    if not isinstance(value, kind):
+        raise DFlashError(f"{name} must be {shape}")
+    return value
 
 
 def template_has_tools(template: str | None) -> bool:
@@ -87,8 +87,7 @@ def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
     for message in result:
         calls = message.pop("tool_calls", None)
         if calls:
-            blocks = [f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)}, ensure_ascii=False)}\n</tool_call>"
-                      for c in calls]
+            blocks = [f"<tool_call>\n{json.dumps(_call_object(c), ensure_ascii=False)}\n</tool_call>" for c in calls]
             message["content"] = "\n".join(([message["content"]] if message["content"] else []) + blocks)
         if message["role"] == "tool":
             message.pop("tool_call_id", None)
@@ -96,9 +95,10 @@ def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
     return result
 
 
-def _arguments(call: dict):
-    """A call's arguments as an object where they are JSON, else their text."""
+def _call_object(call: dict) -> dict:
+    """A call as Hermes writes it: {"name", "arguments": an object where they are JSON, else their text}."""
     try:
-        return json.loads(call["function"]["arguments"])
+        arguments = json.loads(call["function"]["arguments"])
     except json.JSONDecodeError:
-        return call["function"]["arguments"]
+        arguments = call["function"]["arguments"]
+    return {"name": call["function"]["name"], "arguments": arguments}

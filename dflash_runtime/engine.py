@@ -316,7 +316,7 @@ class SpeculativeEngine:
         if emitted == accepted + 1:
             reached = min(drafted, accepted + 1)
         else:
-            accepted = reached = emitted - 1
+            accepted = reached = max(emitted - 1, 0)  # 0 emitted: a guided sequence whose grammar took none
         seq.stats.record(accepted, drafted, reached)
         if self.policy is not None:
             self.policy.acceptance[seq.params.acceptance_kind].observe(accepted, reached)

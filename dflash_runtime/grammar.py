@@ -13,7 +13,6 @@ saying what is missing.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from typing import Iterable
 
 import torch
@@ -46,7 +45,6 @@ class GrammarCompiler:
         self.compile_seconds = compile_seconds
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=COMPILE_THREADS)
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
-        self._lock = threading.Lock()
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]) -> "GrammarCompiler":
@@ -57,8 +55,7 @@ class GrammarCompiler:
 
     def compile(self, guide: Guide):
         """The compiled grammar of `guide`; DFlashError naming the guide if it does not compile in time."""
-        with self._lock:  # submissions from several request threads
-            future = self._pool.submit(self._compile, guide)
+        future = self._pool.submit(self._compile, guide)
         try:
             return future.result(timeout=self.compile_seconds)
         except concurrent.futures.TimeoutError:
