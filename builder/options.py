@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="turn the torch runtime's prefix cache off (for A/B runs): every prompt is computed "
                              "whole, even one that repeats a conversation's history")
     parser.add_argument("--reasoning-parser", default=PRESET_PARSER,
-                        choices=(PRESET_PARSER, "none", *REASONING_PARSERS), help="how the OpenAI gateway splits a thinking model's reasoning into reasoning_content: "
+                        choices=(PRESET_PARSER, "none", *REASONING_PARSERS),
+                        help="how the OpenAI gateway splits a thinking model's reasoning into reasoning_content: "
                              "qwen3 (<think>...</think>); preset (default): the preset's (qwen3 for the Qwen3 presets, "
                              "none for the others)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

@@ -85,7 +85,8 @@ def _encode_guarded(tokenizer, messages: list[dict], specials: re.Pattern, templ
         raise DFlashError("the prompt uses every Private Use Area character: its special-token text cannot be masked")
     masked = [{**m, "content": specials.sub(lambda t: masks[t.group()], m["content"])} for m in messages]
     unmask = str.maketrans({mask: text for text, mask in masks.items()})
-    pieces = re.split(f"({specials.pattern})", _render(tokenizer, masked, template_args))  # text, marker, text, ..., text
+    rendered = _render(tokenizer, masked, template_args)
+    pieces = re.split(f"({specials.pattern})", rendered)  # text, marker, text, ..., text
     ids = []
     for i, piece in enumerate(pieces):
         if i % 2:
