@@ -112,9 +112,8 @@ class SpeculativeEngine:
                  block_size: int | str | None = AUTO_BLOCK_SIZE, max_batch_size: int = 8,
                  max_context: int | None = None, decode: Callable[[list[int]], str] | None = None,
                  step_costs: StepCosts | None = None, static_shapes: bool | None = None,
-                 draft_sharpness: float | None = None,
-                 speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING, kv_cache_tokens: int | None = None,
-                 prefix_caching: bool = True, prefill_chunk: int | None = None,
+                 draft_sharpness: float | None = None, speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING,
+                 kv_cache_tokens: int | None = None, prefix_caching: bool = True, prefill_chunk: int | None = None,
                  grammars: GrammarCompiler | None = None):
         """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
         length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
@@ -129,8 +128,8 @@ class SpeculativeEngine:
         (default: max_batch_size contexts of max_context, what one slot per sequence took); max_context is cut
         to what it holds for one sequence. prefix_caching: reuse the blocks of prompts seen before (off for A/B
         runs). prefill_chunk: prompt tokens a step prefills at most, so that the running sequences keep
-        decoding during a long prompt (None: a prompt's whole uncached part in one pass). grammars: the compiler of
-        guided requests' grammars (grammar.py; None: they are refused)."""
+        decoding during a long prompt (None: a prompt's whole uncached part in one pass). grammars: guided requests'
+        compiler (grammar.py; None: they are refused)."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1

@@ -21,7 +21,8 @@ from builder.trtllm import validate_llm_args
 from deploy.serve import ServeError, stage_trtllm_repository
 from dflash_contract import DFlashError, layout
 from dflash_contract.layout import TEMPLATES, build_key, file_hashes, read_manifest
-from dflash_contract.protocol import ENGINE_INPUTS, FINISH_REASON, FRONT_INPUTS, STATISTICS, TOKEN_OUTPUTS, config_type
+from dflash_contract.protocol import (ENGINE_INPUTS, FINISH_REASON, FRONT_INPUTS, LOGPROB_OUTPUTS, STATISTICS,
+                                      TOKEN_OUTPUTS, config_type)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -385,7 +386,8 @@ def test_front_models_declare_the_contract_tensors(model):
     assert all(t.optional for t in config.input)
     assert {t.name: types(t.data_type) for t in config.output} == {
         "text_output": "TYPE_STRING", FINISH_REASON: "TYPE_STRING",
-        **{s.tensor: config_type(s.data_type) for s in STATISTICS}}
+        **{s.tensor: config_type(s.data_type) for s in STATISTICS},
+        **{name: config_type(kind) for name, kind in LOGPROB_OUTPUTS.items()}}
 
 
 def test_preprocessing_checks_every_input_of_both_front_models():

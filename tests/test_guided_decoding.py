@@ -152,13 +152,21 @@ def test_bad_guides_are_refused_before_the_engine(guide_type, text, words):
 
 
 def test_a_slow_compile_is_refused_and_the_engine_keeps_serving(tiny):
-    """A compile over the limit (here a limit no fresh grammar meets) is refused; requests already running finish
-    as they would have, and a grammar compiled before still serves."""
+    """A schema whose grammar takes seconds to compile on the embedded default's 49,152-token vocabulary (a string
+    of up to 2,000 characters: xgrammar expands the bound) is refused at a 0.2 s limit; a request already running
+    finishes as it would have."""
+    from dflash_runtime.checkpoint import resolve_target
+    from dflash_runtime.text import load_tokenizer
+
     target, drafter = load_pair(tiny)
-    eng = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=4, grammars=compiler(1e-6))
+    info = xgrammar.TokenizerInfo.from_huggingface(load_tokenizer(resolve_target("smollm2-135m")[0]),
+                                                   vocab_size=49152, stop_token_ids=[2])
+    slow = GrammarCompiler(info, compile_seconds=0.2)
+    eng = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=4, grammars=slow)
     running = eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=NEW))
-    with pytest.raises(DFlashError, match=r"the regex guide did not compile within 1e-06 s"):
-        eng.add_request(PROMPTS[1], SamplingParams(guide=Guide("regex", "[0-9]{3}-[a-z]{4,7}x")))
+    schema = {"type": "object", "properties": {"story": {"type": "string", "maxLength": 2000}}}
+    with pytest.raises(DFlashError, match=r"the json_schema guide did not compile within 0.2 s"):
+        eng.add_request(PROMPTS[1], SamplingParams(guide=Guide("json_schema", json.dumps(schema))))
     while eng.has_unfinished():
         eng.step()
     alone, = SpeculativeEngine(target, drafter, block_size=BLOCK).generate([PROMPTS[0]], SamplingParams(

@@ -67,7 +67,9 @@ def test_a_gateway_with_the_qwen3_parser_returns_reasoning_content(thinking):
 def test_the_build_names_the_presets_parser():
     from builder.options import BuildOptions, reasoning_parser
 
-    assert reasoning_parser(BuildOptions(target="qwen3-8b")) == "qwen3"
-    assert reasoning_parser(BuildOptions(target="smollm2-135m")) is None
-    assert reasoning_parser(BuildOptions(target="qwen3-8b", reasoning_parser="none")) is None
-    assert reasoning_parser(BuildOptions(target="/models/any", reasoning_parser="qwen3")) == "qwen3"
+    def parser(target, **named):
+        return reasoning_parser(BuildOptions(target=target, drafter="preset", **named))
+
+    assert parser("qwen3-8b") == "qwen3" and parser("smollm2-135m") is None
+    assert parser("qwen3-8b", reasoning_parser="none") is None
+    assert parser("/models/any", reasoning_parser="qwen3") == "qwen3"
