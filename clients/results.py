@@ -61,6 +61,7 @@ class Generation:
     stats: SpeculationStats
     timings: Timings
     attempts: int = 1  # 1 + retries after "server unavailable"
+    logprobs: tuple[dict, ...] = ()  # per token, where asked for (GenerationParams.logprobs): OpenAI's entries
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,15 @@ def test_return_log_probs_on_both_front_models(default_server, model, stream):
     assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"] for e in entries)
 
 
+def test_the_grpc_client_collects_every_tokens_logprobs(default_server):
+    from clients import DFlashClient, GenerationParams
+
+    with DFlashClient(default_server.grpc_url) as grpc:
+        answer = grpc.generate("Name a fruit.", GenerationParams(max_tokens=10, logprobs=1))
+    assert len(answer.logprobs) == answer.stats.completion_tokens
+    assert all(len(e["top_logprobs"]) == 1 and e["logprob"] <= 0 for e in answer.logprobs)
+
+
 @pytest.fixture(scope="module")
 def client(default_server):
     with openai.OpenAI(base_url=f"{default_server.gateway.url}/v1", api_key="unused", max_retries=0) as c:
