@@ -286,7 +286,8 @@ def synthetic_vocab(size: int) -> list[str]:
 
 
 # Inside a JSON string, free and bounded: xgrammar checks a bounded string's multi-character tokens at run time
-# (measured on a CPU with SmolLM2's tokenizer: 6 us against 208 us per position with maxLength 40)
+# (measured on a CPU with SmolLM2's tokenizer, a fill and an accept: 8 us against 19 us per position with
+# maxLength 40 in xgrammar 0.2.9; 6 against 208 us in 0.2.8)
 MASK_SCHEMAS = {"string": {"type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]},
                 "maxLength 40": {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 40}},
                                  "required": ["topic"]}}
