@@ -84,6 +84,8 @@ class Translated:
     tools: ToolPlan | None = None  # a chat request's tools: its answer may be tool calls (tools.py)
     n: int = 1  # choices: one server request each (choice_requests)
     reasoning: str | None = None  # a chat answer's reasoning parser (reasoning.py), the build's
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
 
     def choice_requests(self) -> list[Request]:
         """One request per choice. Choice 0 is the request as sent; choice i samples with a seed derived from the
@@ -92,8 +94,6 @@ class Translated:
         return [self.request if i == 0 or seed is None else
                 replace(self.request, params=replace(self.request.params, seed=(seed + i * SEED_STEP) % 2 ** 64))
                 for i in range(self.n)]
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created: int = field(default_factory=lambda: int(time.time()))
 
 
 def chat_request(body: object, model_id: str, default_max_tokens: int, reasoning: str | None = None) -> Translated:

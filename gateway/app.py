@@ -28,8 +28,8 @@ from dflash_contract.server import GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH
 
 from . import api
 from .chat_template import ChatTemplate
-from .reasoning import StreamSplitter
 from .metrics import CHAT_PATH, COMPLETIONS_PATH, CONTENT_TYPE, FirstText, GatewayMetrics, MetricsMiddleware
+from .reasoning import StreamSplitter
 
 DISCONNECT_CHECK_SECONDS = 0.25  # how often a non-streamed request looks for its client
 RETRY_AFTER_SECONDS = 1
