@@ -42,7 +42,7 @@ class GenerationParams:
     # same distribution, another sample); None: the server's build decides
     speculative_sampling: str | None = None
     guide: Guide | None = None  # guided decoding: the output matches it (dflash_contract.guided_decoding)
-    repetition_penalty: float = 1.0  # vLLM's penalties: 1, 0 and 0 are off
+    repetition_penalty: float = 1.0  # vLLM's penalties: PENALTIES_OFF's values are off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # each token's log-probability (the target's, after temperature) and this many most likely ones (0-20) in every
@@ -70,6 +70,14 @@ class GenerationParams:
                f"logprobs must be None or a number of top tokens in [0, 20], got {self.logprobs!r}")
         error = None if self.speculative_sampling is None else speculative_sampling_error(self.speculative_sampling)
         _check(error is None, error)
+
+
+PENALTIES_OFF = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def penalties(params: GenerationParams) -> dict[str, float]:
+    """The penalties a request sets (the others are off): what goes on the wire."""
+    return {name: getattr(params, name) for name, off in PENALTIES_OFF.items() if getattr(params, name) != off}
 
 
 def prompt_inputs(prompt: Prompt, chat: bool) -> dict[str, object]:

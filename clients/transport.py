@@ -31,7 +31,7 @@ from dflash_contract.server import PORTS
 
 from .errors import (DFlashClientError, InvalidRequest, RequestCancelled, RequestTimeout, ServerError,
                      ServerUnavailable, from_server_message)
-from .params import GenerationParams
+from .params import GenerationParams, penalties
 from .results import Health, SpeculationStats
 
 Protocol = Literal["grpc", "http"]
@@ -121,9 +121,7 @@ class Request:
             fields["end_id"] = p.end_id
         if p.stop:
             fields["stop_words"] = list(p.stop)
-        for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-            if getattr(p, name) != off:
-                fields[name] = getattr(p, name)
+        fields.update(penalties(p))
         if p.logprobs is not None:
             fields["return_log_probs"] = True
             if p.logprobs:
@@ -409,7 +407,7 @@ def _llmapi_fields(request: Request, prompt: str) -> dict[str, object]:
     p = request.params
     unavailable = {"min_tokens": p.min_tokens or None, "end_id": p.end_id,  # no such LLM-API inputs
                    "speculative_sampling": p.speculative_sampling, TYPE_INPUT: p.guide and p.guide.type,
-                   "repetition_penalty": None if p.repetition_penalty == 1 else p.repetition_penalty,
+                   "repetition_penalty": penalties(p).get("repetition_penalty"),
                    "logprobs": p.logprobs}
     for name, value in unavailable.items():
         if value is not None:
@@ -426,9 +424,9 @@ def _llmapi_fields(request: Request, prompt: str) -> dict[str, object]:
         fields["sampling_param_seed"] = p.seed
     if p.stop:
         fields["sampling_param_stop"] = list(p.stop)
-    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-        if getattr(p, name) != off:  # TensorRT-LLM's SamplingParams fields of the same names
-            fields[f"sampling_param_{name}"] = getattr(p, name)
+    for name, value in penalties(p).items():  # TensorRT-LLM's SamplingParams fields of the same names
+        if name != "repetition_penalty":  # refused above: its model has no such input
+            fields[f"sampling_param_{name}"] = value
     return fields
 
 
