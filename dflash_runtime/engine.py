@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence as Seq
 
@@ -101,10 +101,12 @@ class StepOutput:
     sequence: Sequence
     new_token_ids: list[int]
     acceptance_length: int | None = None  # accepted drafts + 1 for a verify step; None for a prefill
+    # whether these tokens ended the sequence, fixed when made: a step may prefill a sequence and then verify
+    # it, and only the second of its two outputs finishes it
+    finished: bool = field(init=False)
 
-    @property
-    def finished(self) -> bool:
-        return self.sequence.finished
+    def __post_init__(self):
+        self.finished = self.sequence.finished
 
 
 class SpeculativeEngine:

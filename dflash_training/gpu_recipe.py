@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -76,6 +77,10 @@ def prepare(args: argparse.Namespace, repo: Path) -> list[list[str]]:
         raise DFlashError("the gguf package is not installed here (make install puts it in .venv)")
     shutil.copytree(Path(gguf_package.origin).parent, out / "pydeps" / "gguf", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__"))
+    # with its metadata: transformers checks gguf's version and fails on a package without one
+    dist = importlib.metadata.distribution("gguf")
+    dist_info = Path(dist.locate_file(next(f for f in dist.files if f.name == "METADATA"))).parent
+    shutil.copytree(dist_info, out / "pydeps" / dist_info.name, dirs_exist_ok=True)
     small = [str(CARRY / name) for name in ("sharegpt.json.gz", "humaneval.jsonl", "pydeps")]
     if args.responses:
         shutil.copyfile(args.responses, out / Path(args.responses).name)  # not its mode: a rerun overwrites it

@@ -101,6 +101,16 @@ def test_length_limits(tiny):
     assert len(seq.output_ids) == 5 and seq.finish_reason == "length"
 
 
+def test_a_step_that_prefills_and_finishes_a_sequence_finishes_it_once(tiny):
+    # a step prefills (first token) and then verifies (second); only the second output ends the sequence, or a
+    # caller that pops finished sequences pops it twice (drafter_data did, on an H200, after 3,205 answers)
+    target, drafter = load_pair(tiny)
+    engine = SpeculativeEngine(target, drafter, block_size=BLOCK)
+    seq = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    outputs = engine.step()
+    assert [(o.sequence, o.finished, len(o.new_token_ids)) for o in outputs] == [(seq, False, 1), (seq, True, 1)]
+
+
 def test_cancel_frees_the_slot_and_spares_the_others(tiny):
     target, drafter = load_pair(tiny)
     engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=2)

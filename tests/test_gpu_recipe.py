@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
 import itertools
 import json
 import os
@@ -34,6 +35,9 @@ def test_prepare_plans_calls_under_the_limit_and_its_sharegpt_reads_the_same(tmp
     assert [c[0] for c in calls[:2]] == [f"runs/gpu-carry/{gpu_recipe.GGUF_PART}{n}" for n in (1, 2)]
     assert all((tmp_path / c[0]).stat().st_size <= 2_500_000 - 400_000 - (1 << 20) for c in calls[:2])
     assert "runs/gpu-carry/sharegpt.json.gz" in calls[-1] and (carry / "pydeps" / "gguf" / "__init__.py").is_file()
+    # with its version: transformers refuses a gguf package without one (it did, on the first GPU run)
+    carried = [d.version for d in importlib.metadata.distributions(path=[str(carry / "pydeps")])]
+    assert carried == [importlib.metadata.version("gguf")]
     humaneval = [json.loads(line)["prompt"] for line in (carry / "humaneval.jsonl").read_text().splitlines()]
     assert humaneval == prompt_set("humaneval", 164)
 
