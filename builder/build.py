@@ -31,6 +31,7 @@ from dflash_contract.layout import (DRAFTER_DIR, MANIFEST_FILE, REPOSITORY_DIR, 
 from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_SPECULATIVE_SAMPLING, PRESETS
 from dflash_runtime.checkpoint import is_hub_id, resolve_checkpoint, resolve_target
 from dflash_runtime.config import DrafterConfig, TargetConfig, TransformerShape, read_json
+from dflash_runtime.verify_length import StepCosts, auto_in_words
 
 PACKAGES = ("torch", "transformers", "nvidia-modelopt", "tritonclient", "nvidia-pytriton", "tensorrt-llm")
 SANITY_PROMPTS = ["Explain what a hash table is and when to use one.", "Write a haiku about autumn."]
@@ -244,6 +245,7 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
         "prefix_caching": str(opts.prefix_caching).lower(),
         "dtype": opts.dtype,
         "device": opts.device,
+        "cpu_weights": opts.cpu_weights,
         "preprocessing_instances": 1,
         "postprocessing_instances": 1,
     }
@@ -258,7 +260,7 @@ def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
     from dflash_tools.benchmark import measure
 
     drafter = str(build / DRAFTER_DIR) if inputs.drafter_dir else None
-    pipe = load_pipeline(str(build / TARGET_DIR), drafter, opts.dtype, opts.device)
+    pipe = load_pipeline(str(build / TARGET_DIR), drafter, opts.dtype, opts.device, cpu_weights=opts.cpu_weights)
     prompts = [pipe.encode(p) for p in SANITY_PROMPTS]
     autoregressive = pipe.engine(block_size=1, max_batch_size=1, max_context=inputs.max_context)
     if drafter is None:
@@ -268,6 +270,14 @@ def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
                          max_context=inputs.max_context)
     result = measure(pipe, None, autoregressive, {str(inputs.block_size): dflash}, prompts, opts.sanity_tokens,
                      "sanity")
+    served = pipe.target.served_weights
+    if served is not None:
+        result["cpu_weights"] = served.describe()
+        if served.chosen != "float32":  # another model than the float32 one: how far, briefly (4 prompts)
+            from dflash_tools.weights_quality import weights_quality
+
+            result["cpu_weights_quality"] = weights_quality(build / TARGET_DIR, served.chosen, prompts=4, tokens=32,
+                                                            texts=2, progress=False)
     if dflash.graphs.capture:
         report = dflash.graphs.report
         result["cuda_graphs"] = {"graphs": report.graphs, "MiB": round(report.pool_bytes / 2 ** 20, 1),
@@ -501,6 +511,17 @@ def summary(manifest: dict, output: Path) -> str:
                             f"token-identical {sanity['token_identical_prompts']}"
                             + (f" (our PyTorch runtime here, {options['dtype']} on {options['device']})"
                                if trtllm else ""))]
+        if sanity.get("verify_profile"):
+            profile = sanity["verify_profile"]
+            rows.append(("auto", auto_in_words({int(k): n for k, n in dflash["verify_lengths"].items()},
+                                               StepCosts.from_json(profile), profile["acceptance_rates"])))
+        if sanity.get("cpu_weights"):
+            rows.append(("cpu weights", sanity["cpu_weights"]))
+        if sanity.get("cpu_weights_quality"):
+            from dflash_tools.weights_quality import in_words
+
+            rows.append(("quality", in_words(sanity["cpu_weights_quality"]) + " (4 prompts; dflash-weights-quality "
+                                                                                "measures more)"))
         if sanity.get("cuda_graphs"):
             graphs = sanity["cuda_graphs"]
             rows.append(("cuda graphs", f"{graphs['graphs']} captured at start-up in {graphs['seconds']} s, "

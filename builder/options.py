@@ -11,7 +11,7 @@ from pathlib import Path
 from builder.trtllm import DFLASH_ATTENTION_BACKEND_SMS
 from dflash_contract import DFlashError
 from dflash_contract.cli import ArgumentParser
-from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_PRESET,
+from dflash_contract.presets import (AUTO_BLOCK_SIZE, CPU_WEIGHTS, DEFAULT_PREFILL_CHUNK, DEFAULT_PRESET,
                                      DEFAULT_SPECULATIVE_SAMPLING, PRESETS, REASONING_PARSERS, SPECULATIVE_SAMPLING,
                                      block_size_argument, check_speculative_sampling, preset_table)
 
@@ -65,6 +65,7 @@ class BuildOptions:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # 0: a prompt's whole uncached part in one pass
     prefix_caching: bool = True
     dtype: str = "auto"  # resolved by the build: bfloat16 on CUDA, float32 on a CPU
+    cpu_weights: str = "auto"  # the torch runtime's linears on a CPU (dflash_runtime/cpu_weights.py)
     device: str = "auto"  # resolved by the build: CUDA when there is a GPU
     gpu: str | None = None  # trtllm: the serving GPU (h100, b200, ...), checked against the quantization
     tensor_parallel_size: int = 1
@@ -249,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "none for the others)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="torch runtime dtype; auto (default): bfloat16 on CUDA, float32 on a CPU")
+    parser.add_argument("--cpu-weights", default="auto", choices=CPU_WEIGHTS,
+                        help="the format the torch runtime serves the target's linears in on a CPU: gguf-int4 (a "
+                             "GGUF target's own 4-bit blocks), int8 (weight-only, quantized at load: another "
+                             "model), float32; auto (default): measured on the serving host among the checkpoint's "
+                             "own formats (gguf-int4 and float32 for a GGUF target), cached per host")
     parser.add_argument("--device", default="auto",
                         help="device of the torch runtime, the quantization's calibration and the sanity run: auto "
                              "(default: CUDA when torch sees a GPU), cpu, cuda, cuda:N")
@@ -275,6 +281,7 @@ def options_from_args(args: argparse.Namespace) -> BuildOptions:
                         max_batch_size=args.max_batch_size, max_context=args.max_context,
                         max_queue_size=args.max_queue_size, kv_cache_tokens=args.kv_cache_tokens,
                         prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching, dtype=args.dtype, device=args.device, gpu=args.gpu,
+                        cpu_weights=args.cpu_weights,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size, dflash_attention=args.dflash_attention,
                         sanity_tokens=args.sanity_tokens, speculative_sampling=args.speculative_sampling,

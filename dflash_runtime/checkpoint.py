@@ -17,6 +17,7 @@ from dflash_contract.layout import REPO_ROOT
 from dflash_contract.presets import PRESETS, Preset
 
 from .config import DFlashError, read_json
+from .gguf_blocks import extract_q4_1, save_q4_1
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -143,10 +144,12 @@ def materialize_gguf(gguf_file: Path, name: str) -> Path:
     """Dequantize a GGUF checkpoint once into the HF layout (config, safetensors, tokenizer) and reuse it.
 
     transformers dequantizes GGUF on every load (~30 s for a 135M model on 2 cores); the cached
-    float32 copy loads in about a second.
+    float32 copy loads in about a second. Its Q4_1 tensors are kept as they are too (gguf_blocks.py), for a
+    CPU to serve them (cpu_weights.py).
     """
     out = cache_root() / name
-    stamp = f"{gguf_file.resolve()}:{gguf_file.stat().st_size}"
+    # "q4_1": the folder also keeps the GGUF's own 4-bit blocks (gguf_blocks.py); older folders are remade
+    stamp = f"{gguf_file.resolve()}:{gguf_file.stat().st_size}:q4_1"
     if (out / ".source").is_file() and (out / ".source").read_text() == stamp:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -160,6 +163,9 @@ def materialize_gguf(gguf_file: Path, name: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    weights = model.state_dict()
+    save_q4_1(tmp, extract_q4_1(gguf_file, weights, model.config.num_attention_heads,
+                                model.config.num_key_value_heads))
     (tmp / ".source").write_text(stamp)
     if not ((out / ".source").is_file() and (out / ".source").read_text() == stamp):  # else: another process won
         shutil.rmtree(out, ignore_errors=True)
@@ -167,6 +173,15 @@ def materialize_gguf(gguf_file: Path, name: str) -> Path:
             tmp.rename(out)
     shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a materialize_gguf folder was converted from, if it still exists."""
+    stamp = folder / ".source"
+    if not stamp.is_file():
+        return None
+    path = Path(stamp.read_text().split(":")[0])
+    return path if path.is_file() else None
 
 
 def forget_gguf_quantization(model: nn.Module, where: str) -> None:

@@ -172,9 +172,12 @@ class AttentionMask:
     (folding measured no faster there: 106 against 70 us for a block of 8 at SmolLM2's shapes).
     """
 
-    def __init__(self, visible: torch.Tensor | None, num_heads: int, num_kv_heads: int):
-        """visible: [B, 1, T or 1, L] (True = visible), or None for a causal pass of T == L tokens from position 0."""
+    def __init__(self, visible: torch.Tensor | None, num_heads: int, num_kv_heads: int,
+                 compute_dtype: torch.dtype | None = None):
+        """visible: [B, 1, T or 1, L] (True = visible), or None for a causal pass of T == L tokens from position 0.
+        compute_dtype: attend in this dtype (the target's attention_dtype), back in the queries' after."""
         self.groups = num_heads // num_kv_heads
+        self.compute_dtype = compute_dtype
         fold = FOLD_QUERY_GROUPS if FOLD_QUERY_GROUPS is not None else (visible is not None and visible.is_cuda)
         self.fold = fold and visible is not None and self.groups > 1
         if self.fold and visible.shape[2] > 1:  # query rows g * T + t see what query t sees
@@ -184,6 +187,9 @@ class AttentionMask:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(D)) v over the visible keys: q [B, H, T, D], k, v [B, KV, L, D] -> [B, H, T, D]."""
+        if self.compute_dtype is not None and self.compute_dtype != q.dtype:
+            out = self.attend(q.to(self.compute_dtype), k.to(self.compute_dtype), v.to(self.compute_dtype))
+            return out.to(q.dtype)
         query, options = self._sdpa_arguments(q, k)
         return F.scaled_dot_product_attention(query, k, v, **options).reshape(q.shape)
 
@@ -208,12 +214,15 @@ class AttentionMask:
         return q.reshape(b, k.shape[1], self.groups * t, d), {"attn_mask": self.additive}
 
 
-def prepare_for_inference(model: nn.Module) -> None:
+def prepare_for_inference(model: nn.Module, on_cpu: Callable[[nn.Module], None] | None = None) -> None:
     """Freeze the weights (nothing run for inference may record autograd history), fuse q/k/v and gate/up in
-    every layer; on a multi-core CPU, split the linears across threads where that measured faster."""
+    every layer; on a CPU, run on_cpu (the target's weight format: cpu_weights), then, on several cores, split
+    the float32 linears left across threads where that measured faster."""
     model.requires_grad_(False)
     for module in list(model.modules()):
         if isinstance(module, (AttentionProjections, MLP)):
             module.fuse()
     if next(model.parameters()).device.type == "cpu":
+        if on_cpu is not None:
+            on_cpu(model)
         split_where_faster(model)

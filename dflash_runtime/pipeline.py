@@ -80,13 +80,13 @@ class Pipeline:
 
 
 def load_pipeline(target: str, drafter: str | None = "preset", dtype: str = "float32",
-                  device: str = "cpu", prepare: bool = True) -> Pipeline:
+                  device: str = "cpu", prepare: bool = True, cpu_weights: str | None = None) -> Pipeline:
     """drafter: "preset" takes the preset's drafter (none for a plain directory), None runs without one.
-    device and dtype may be "auto" (resolve_device, resolve_dtype); prepare: load_target's."""
+    device and dtype may be "auto" (resolve_device, resolve_dtype); prepare, cpu_weights: load_target's."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     target_dir, preset = resolve_target(target)
-    model = load_target(target_dir, DTYPES[dtype], device, prepare)
+    model = load_target(target_dir, DTYPES[dtype], device, prepare, cpu_weights)
     if drafter == "preset":
         drafter = preset.drafter if preset else None
     draft_model = load_drafter(resolve_checkpoint(drafter), model.config, DTYPES[dtype], device) if drafter else None

@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import cpu_weights
 from .checkpoint import load_weights, read_safetensors
+from .gguf_blocks import load_q4_1
 from .config import TargetConfig
 from .kv_cache import BLOCK_SIZE, KVCache
 from .layers import MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference
@@ -48,14 +50,16 @@ class TargetModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(s.rope, s.head_dim)
+        self.attention_dtype = None  # cpu_weights: float64 where the linears round their inputs to bfloat16
 
+    # the embedding's: a CPU may serve the linears in another format (cpu_weights)
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     def new_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
         s = self.config.shape
@@ -97,7 +101,7 @@ class TargetModel(nn.Module):
             key_positions = torch.arange(length, device=positions.device)
             visible = key_positions[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]: causal, ragged
         s = self.config.shape
-        mask = AttentionMask(visible, s.num_heads, s.num_kv_heads)
+        mask = AttentionMask(visible, s.num_heads, s.num_kv_heads, self.attention_dtype)
         selected = {}
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, partial(cache.write_and_read, i, table, positions, length), mask)
@@ -111,9 +115,11 @@ class TargetModel(nn.Module):
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                prepare: bool = True) -> TargetModel:
+                prepare: bool = True, cpu_weights: str | None = None) -> TargetModel:
     """prepare=False: the checkpoint's own modules, unfused and unsplit (frozen all the same), for a target whose
-    parameters are sharded afterwards: a fused linear's parts are views of it, which sharding would copy."""
+    parameters are sharded afterwards: a fused linear's parts are views of it, which sharding would copy.
+    cpu_weights: the format a CPU serves the linears in (cpu_weights.py; None: DFLASH_CPU_WEIGHTS, else auto);
+    what it got is in model.served_weights."""
     path = Path(path)
     config = TargetConfig.from_dir(path)
     with torch.device("meta"):
@@ -124,6 +130,15 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     load_weights(model, state, str(path), dtype, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.served_weights = None
     if prepare:
-        prepare_for_inference(model)
+        prepare_for_inference(model, partial(serve_cpu_weights, path=path, flag=cpu_weights))
     return model.requires_grad_(False).eval()
+
+
+def serve_cpu_weights(model: TargetModel, path: Path, flag: str | None) -> None:
+    blocks = load_q4_1(path)
+    fmt, why = cpu_weights.choose(model, flag, blocks)
+    model.served_weights = cpu_weights.serve(model, fmt, blocks)
+    model.attention_dtype = cpu_weights.attention_dtype(fmt)
+    model.served_weights.requested, model.served_weights.why = cpu_weights.requested_format(flag), why

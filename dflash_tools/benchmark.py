@@ -9,7 +9,11 @@ mean acceptance length tau (tokens per verify step), the per-position acceptance
 j was accepted when the drafts before it were), how many steps verified each length, and the
 draft-to-verify time ratio; and whether all outputs were token-identical (sampled runs too: exact
 sampling keeps the target's own sample; rejection sampling's outputs are left out of that check).
-Writes JSON and, with --plot, a PNG.
+Writes JSON and, with --plot, a PNG. On a CPU, --cpu-weights picks the target's weight format and
+--vs-llama-cpp adds llama.cpp on the same GGUF as one more mode.
+
+Example, against llama.cpp on the same GGUF and threads, with batch 8 throughput:
+  dflash-bench --prompts chat humaneval sharegpt --block-size auto 8 --no-hf --vs-llama-cpp --batch 8
 
 Example, the drafts' survival under sampling:
   dflash-bench --prompts chat humaneval sharegpt --block-size 8 --temperature 0 0.7 1 --no-hf \
@@ -27,7 +31,7 @@ from dataclasses import replace
 import torch
 
 from dflash_contract import DFlashError
-from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_PRESET, DEFAULT_SPECULATIVE_SAMPLING,
+from dflash_contract.presets import (AUTO_BLOCK_SIZE, CPU_WEIGHTS, DEFAULT_PRESET, DEFAULT_SPECULATIVE_SAMPLING,
                                      SPECULATIVE_SAMPLING, block_size_argument)
 from dflash_runtime.sampling import DRAFT_SHARPNESS_CHOICES, SamplingParams, SamplingStats
 
@@ -60,17 +64,21 @@ def _run_to_end(engine, seq) -> list[int]:
 
 
 def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], max_new_tokens: int, label: str,
-            sampling: SamplingParams | None = None) -> dict:
+            sampling: SamplingParams | None = None, llama=None) -> dict:
     """dflash: mode label ("auto", "8", "8 rejection", ...) -> engine; every prompt runs through every mode.
     sampling: temperature, top-k, top-p and seed for every mode (greedy if None); prompt n samples with seed
     + n. Token identity is checked between the modes whose sample cannot depend on the drafter (not
-    rejection sampling; transformers only when greedy)."""
+    rejection sampling; transformers only when greedy). llama: a llama_cpp.Llama on the target's GGUF, run
+    greedy as one more mode (greedy runs only), its answers compared apart: other arithmetic, another model."""
     sampling = sampling or SamplingParams()
     hf = hf if sampling.greedy else None
+    llama = llama if sampling.greedy else None
     eos = list(pipe.target.config.eos_token_ids)
     modes = {"autoregressive": Mode(), **{f"dflash {b}": Mode() for b in dflash}}
     if hf is not None:
         modes["hf_generate"] = Mode()
+    if llama is not None:
+        modes["llama.cpp"], same_as_llama = Mode(), 0
     stats, identical = {b: SamplingStats() for b in dflash}, 0
     engines = [autoregressive, *dflash.values()]
     lookups = [(e.block_manager.queried_tokens, e.block_manager.hit_tokens) for e in engines]
@@ -81,7 +89,11 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
             outputs.append(modes["hf_generate"].timed(lambda: hf.generate(
                 torch.tensor([ids], device=hf.device), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                 pad_token_id=eos[0])[0, len(ids):].tolist()))
+        if llama is not None:
+            theirs = modes["llama.cpp"].timed(lambda: llama_cpp_greedy(llama, ids, max_new_tokens, eos))
         outputs.append(modes["autoregressive"].timed(lambda: autoregressive.generate([ids], params)[0].output_ids))
+        if llama is not None:
+            same_as_llama += theirs == outputs[-1]
         taus = []
         for b, engine in dflash.items():
             seq = engine.add_request(ids, params)
@@ -104,7 +116,7 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
         "prefix_cache_hit_rate": round(hits / queried, 4) if queried else None,
         "tokens_per_second": {m: round(r, 2) for m, r in rate.items()},
         "dflash": {b: {"speedup_vs_autoregressive": round(rate[f"dflash {b}"] / rate["autoregressive"], 3),
-                       **speculation_summary(stats[b])} for b in dflash},
+                       **speculation_summary(stats[b]), **auto_summary(e, stats[b])} for b, e in dflash.items()},
         # the rule a learning engine drafts with after the set (it learns across sets, as a server would)
         "draft_sharpness": {b: e.proposal_rule.sharpness() for b, e in dflash.items()
                             if not sampling.greedy and e.speculative_sampling == "exact"},
@@ -112,7 +124,44 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
     }
     if hf is not None:
         result["ratio_autoregressive_vs_hf"] = round(rate["autoregressive"] / rate["hf_generate"], 3)
+    if llama is not None:
+        result["ratio_autoregressive_vs_llama_cpp"] = round(rate["autoregressive"] / rate["llama.cpp"], 3)
+        result["llama_cpp_identical_prompts"] = f"{same_as_llama}/{len(prompts)}"
     return result
+
+
+def llama_cpp_greedy(llama, ids: list[int], max_new_tokens: int, eos: list[int]) -> list[int]:
+    """llama.cpp's greedy answer to a prompt's token ids (its KV cache reuses a shared prefix, as ours does)."""
+    out = []
+    for token in llama.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+        if token in eos:
+            break
+        out.append(token)
+        if len(out) == max_new_tokens:
+            break
+    return out
+
+
+def load_llama_cpp(pipe, threads: int, context: int):
+    """llama-cpp-python (the optional `llama` extra) on the GGUF the target was converted from."""
+    from dflash_runtime.checkpoint import gguf_source
+
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise DFlashError("--vs-llama-cpp needs llama-cpp-python: pip install -e '.[llama]' (it builds llama.cpp "
+                          "from source, ~10 minutes on 2 cores)") from None
+    gguf = gguf_source(pipe.target_dir)
+    if gguf is None:
+        raise DFlashError(f"--vs-llama-cpp: {pipe.target_dir} was not converted from a GGUF file")
+    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False)
+
+
+def batch_throughput(engine, prompts: list[list[int]], max_new_tokens: int) -> float:
+    """Tokens per second of one engine answering all prompts at once (greedy, its batch size at a time)."""
+    start = time.perf_counter()
+    seqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    return round(sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - start), 2)
 
 
 def speculation_summary(stats: SamplingStats) -> dict:
@@ -125,23 +174,38 @@ def speculation_summary(stats: SamplingStats) -> dict:
     }
 
 
+def auto_summary(engine, stats: SamplingStats) -> dict:
+    """For an `auto` engine on greedy runs: what it did and why, in words (verify_length.auto_in_words)."""
+    if engine.policy is None or "greedy" not in engine.policy.acceptance:
+        return {}
+    from dflash_runtime.verify_length import auto_in_words
+
+    return {"auto": auto_in_words(Counter(stats.verify_lengths), engine.policy.costs,
+                                  engine.policy.acceptance["greedy"].rates())}
+
+
 def projections(pipe) -> str:
-    """Which path the linears ran: on a CPU, thread-split or F.linear as measured on this host (cpu_linears)."""
+    """Which path the linears ran: on a CPU, the target's weight format (cpu_weights) and, for float32 linears,
+    thread-split or F.linear as measured on this host (cpu_linears)."""
     if pipe.target.device.type != "cpu":
         return f"F.linear on {pipe.target.device}"
     from dflash_runtime.cpu_linears import describe
 
-    return f"target {describe(pipe.target)}; drafter {describe(pipe.drafter).split(': ', 1)[1]}"
+    return (f"target weights {pipe.target.served_weights.describe()}; float32 {describe(pipe.target)}; "
+            f"drafter {describe(pipe.drafter).split(': ', 1)[1]}")
 
 
 def run(args) -> dict:
     from dflash_runtime.pipeline import load_pipeline
 
     torch.manual_seed(0)
-    pipe = load_pipeline(args.target, args.drafter, args.dtype, args.device)
+    pipe = load_pipeline(args.target, args.drafter, args.dtype, args.device, cpu_weights=args.cpu_weights)
     if pipe.drafter is None:
         raise DFlashError("the benchmark compares against DFlash: the target needs a drafter (--drafter DIR)")
     print(f"[projections] {projections(pipe)}", file=sys.stderr)
+    llama = None
+    if args.vs_llama_cpp:
+        llama = load_llama_cpp(pipe, torch.get_num_threads(), pipe.preset.max_context if pipe.preset else 4096)
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -163,9 +227,14 @@ def run(args) -> dict:
             for name, prompts in sets.items():
                 label = name if sampling is None else f"{name} T={temperature:g}"
                 results[label] = measure(pipe, hf, autoregressive, dflash, prompts, args.max_new_tokens, label,
-                                         sampling)
+                                         sampling, llama)
+                if args.batch and sampling is None:
+                    batched = pipe.engine(block_size=1, max_batch_size=args.batch)
+                    results[label][f"autoregressive_batch{args.batch}_tokens_per_second"] = batch_throughput(
+                        batched, prompts, args.max_new_tokens)
     # every autoregressive token streams all weights once: the figure to hold against memory bandwidth
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pipe.target.parameters()}
+    weights = [*pipe.target.parameters(), *(t for m in pipe.target.modules() for t in getattr(m, "tensors", ()))]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weights}
     ar_rate = sum(r["tokens_per_second"]["autoregressive"] for r in results.values()) / len(results)
     return {
         "target": str(pipe.target_dir), "drafter": args.drafter,
@@ -273,6 +342,15 @@ def main(argv=None) -> int:
                              "(default): the engine learns which of "
                              f"{', '.join(f'{c:g}' for c in DRAFT_SHARPNESS_CHOICES)} guesses best")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
+    parser.add_argument("--vs-llama-cpp", action="store_true",
+                        help="also run llama.cpp (llama-cpp-python, the optional `llama` extra) on the GGUF the target "
+                             "was converted from, greedy, with torch's thread count, alternating with the other "
+                             "modes prompt by prompt; reports its tok/s and our plain decoding's ratio to it")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="also time each greedy set's prompts N at a time through our plain decoding (throughput)")
+    parser.add_argument("--cpu-weights", choices=CPU_WEIGHTS,
+                        help="the format a CPU serves the target's linears in (default: $DFLASH_CPU_WEIGHTS, else "
+                             "auto: measured on this host among the checkpoint's own formats)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto (default): bfloat16 on CUDA, float32 on a CPU")
     parser.add_argument("--device", default="auto", help="auto (default: CUDA when there is a GPU), cpu, cuda")

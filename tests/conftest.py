@@ -6,6 +6,7 @@ into repetitive patterns a drafter learns in seconds).
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,10 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+# The suite holds the embedded default to transformers' float32 answers and to tau figures that must not depend on
+# which format a host measures fastest: float32 unless a test (test_cpu_weights.py) asks for another. The
+# servers the tests start inherit it.
+os.environ.setdefault("DFLASH_CPU_WEIGHTS", "float32")
 sys.path.insert(0, str(REPO))
 
 from dflash_training.train_drafter import block_loss, new_drafter, target_features  # noqa: E402
@@ -20,6 +25,7 @@ from dflash_runtime import SamplingParams, SpeculativeEngine, load_drafter, load
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "soak: the load soak against a real server (short here; `make soak`: 1,000)")
+    config.addinivalue_line("markers", "llama_cpp: needs llama-cpp-python (the optional `llama` extra); skips without")
 
 
 VOCAB = 128

@@ -11,7 +11,7 @@ from conftest import BLOCK, EOS, PROMPTS, load_pair
 from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine
 from dflash_runtime.engine import MAX_PENDING_CONTEXT
 from dflash_runtime.verify_length import (EXPLORE_BUDGET, AcceptanceModel, StepCosts, VerifyLengthPolicy,
-                                          device_signature, doubling, expected_tokens)
+                                          auto_in_words, device_signature, doubling, expected_tokens)
 
 NEW = 40
 LENGTHS = doubling(BLOCK)  # 1, 2, 4, 8, 16
@@ -148,6 +148,19 @@ def test_expected_tokens_follow_the_acceptance_curve():
     assert expected_tokens(rates, (1, 2, 4), 100) == {1: 1.0, 2: 1.5, 4: 1.875}
     assert expected_tokens([0.9, 0.0, 1.0], (1, 2, 4), 100) == {1: 1.0, 2: 1.9, 4: 1.9}  # zero stops the chain
     assert expected_tokens(rates, (1, 2, 4), 2) == {1: 1.0, 2: 1.5, 4: 1.5}  # a request that may emit 2 more
+
+
+def test_what_auto_did_is_said_in_words():
+    costly = StepCosts("test", {1: {1: 1.0, 2: 1.6, 4: 2.0, 8: 2.4}})
+    words = auto_in_words({1: 54, 4: 5}, costly, [0.2] * 7)
+    assert words == ("plain decoding on 54 of 59 steps, drafting on the others: here a verify of 8 tokens costs 2.4x "
+                     "one token and the engine's acceptance estimate gives tau 1.25 at 8, so drafting is slower (by "
+                     "this estimate 0.52x plain decoding at 8)")
+    cheap = StepCosts("test", {1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2}})
+    assert auto_in_words({8: 30}, cheap, [0.8] * 7).startswith("drafting on all 30 steps: here a verify of 8 tokens "
+                                                               "costs 1.2x")
+    assert auto_in_words({8: 30}, cheap, [0.8] * 7).endswith("so drafting pays (by this estimate 3.47x plain "
+                                                             "decoding at 8)")
 
 
 def test_choice_moves_to_shorter_lengths_as_acceptance_falls():

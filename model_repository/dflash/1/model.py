@@ -46,7 +46,10 @@ class TritonPythonModel:
         def make_engine():  # on the loop's thread: this thread must stay free of torch work
             pipeline = load_pipeline(str(artifact_path(args, params["target_dir"])),
                                      str(artifact_path(args, drafter)) if drafter else None,
-                                     dtype=params["dtype"], device=params["device"])
+                                     dtype=params["dtype"], device=params["device"],
+                                     cpu_weights=params.get("cpu_weights") or None)
+            if pipeline.target.served_weights is not None:
+                pb_utils.Logger.log_info(f"dflash: target weights {pipeline.target.served_weights.describe()}")
             self.token_texts = TokenTexts(pipeline.tokenizer) if pipeline.tokenizer is not None else None
             # the build's profile of step times; on another device the engine profiles itself
             step_costs = StepCosts.from_json(json.loads(artifact_path(args, profile).read_text())) if profile else None

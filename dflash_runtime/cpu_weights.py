@@ -1,0 +1,261 @@
+"""The format a CPU serves a target's linear weights in, chosen when the target loads.
+
+Decoding on a CPU reads every weight once per step and is bound by memory. torch's CPU weight-only kernels read
+fewer bytes, vectorized for bfloat16 activations only (../shared/DESIGN.md §8), so each converted linear takes
+float32 in, runs the kernel on bfloat16 and gives float32 back; norms, attention, softmax and sampling stay
+float32. Formats:
+  gguf-int4  the GGUF's own Q4_1 blocks (gguf_blocks.py) on `_weight_int4pack_mm_for_cpu`, groups of 32:
+             w = (q - 8) * scale + zero with scale = d, zero = m + 8d (rounded to bfloat16): the shipped model,
+             not a dequantized copy. A projection stored otherwise falls back to int8, named in the summary.
+  int8       `_weight_int8pack_mm`: int8 with a scale per output channel, quantized here from the float weights.
+  float32    as loaded (cpu_linears may still split it across threads).
+The output head stays float32 in every format (for the embedded default: its Q8_0 embedding, dequantized, so
+still the shipped weights): the kernels return bfloat16, whose resolution near the largest logits (0.125 at
+25) rounded "The" and "L" after "What is the capital of France?" to the same 25.25, and the float32 head ranks
+them as the float32 model does.
+No bfloat16 F.linear: on an AVX2 host it ran 2-8x slower than int8 at a verify block's rows, and a tiny target
+in it was the one format where speculation and plain decoding parted (a 1-ulp difference in attention's
+float32 sums, which depend on how many keys a pass pads to, crosses a bfloat16 rounding boundary of the next
+linear's input; int4 and int8 round their activations to bfloat16 too, so the same can happen there at a
+near-tie, more rarely than it did there: dflash-bench reports token identity).
+"auto" measures this host (a decode step's linears at one row and at a verify block's MANY_ROWS, weights read
+from memory as in a whole pass) among the formats that serve the checkpoint as shipped: gguf-int4 where the
+target has blocks, and float32; int8 only when asked for, since it changes the model. The choice is cached per host signature (cache_root()/cpu_weights.json) and overridden by
+--cpu-weights or DFLASH_CPU_WEIGHTS.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_contract.presets import CPU_WEIGHTS
+
+from .config import DFlashError
+from .cpu_linears import host_signature, is_fused_part
+
+AUTO, FORMATS = CPU_WEIGHTS[0], CPU_WEIGHTS[1:]
+ENV = "DFLASH_CPU_WEIGHTS"
+INT4_GROUP = 32  # GGUF Q4_1's block
+MANY_ROWS = 8
+COLD_BYTES = 64 << 20  # more than the last-level cache of the CPUs we serve on
+
+
+class WeightOnlyLinear(nn.Module):
+    """A frozen linear run by one of torch's CPU kernels on bfloat16 activations: float32 in and out."""
+
+    def __init__(self, fmt: str, tensors: tuple[torch.Tensor, ...], out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.format, self.tensors, self.out_features, self.bias = fmt, tensors, out_features, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        if self.format == "gguf-int4":
+            y = torch._weight_int4pack_mm_for_cpu(rows, self.tensors[0], INT4_GROUP, self.tensors[1])
+        else:
+            y = torch._weight_int8pack_mm(rows, *self.tensors)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def attention_dtype(fmt: str) -> torch.dtype | None:
+    """float64 attention for the formats that round activations to bfloat16: attention's float32 sums depend on
+    the pass's shape (a verify block's keys, a batch's padding), and a 1-ulp difference that crosses a bfloat16
+    rounding boundary of the next linear's input changed a greedy answer (2 of 4 chat prompts, 64 tokens, DFlash
+    against plain decoding); in float64 the order of the sums no longer shows in the float32 result."""
+    return torch.float64 if fmt in ("gguf-int4", "int8") else None
+
+
+def int4_tensors(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 fields (q uint8 [N, K] in 0..15, d, m [N, K / 32]) -> the int4 kernel's packed weight (its layout
+    depends on this host's instruction set: packed at load, never stored) and scales_and_zeros [K / 32, N, 2]."""
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    scales_zeros = torch.stack([d.float(), m.float() + 8 * d.float()], dim=-1).transpose(0, 1)
+    return packed, scales_zeros.to(torch.bfloat16).contiguous()
+
+
+def int8_tensors(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] -> int8 [N, K] and a bfloat16 scale per output channel (symmetric, max / 127)."""
+    scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(torch.bfloat16)
+
+
+def convert(linear: nn.Linear, fmt: str, q4_1: tuple | None) -> tuple[nn.Module, str]:
+    """linear in `fmt` (q4_1: its GGUF blocks, if any) -> (module, the format it really got)."""
+    bias = linear.bias
+    n = linear.weight.shape[0]
+    if fmt == "gguf-int4" and q4_1 is not None and n % 16 == 0:
+        return WeightOnlyLinear(fmt, int4_tensors(*q4_1), n, bias), fmt
+    if fmt in ("gguf-int4", "int8"):
+        return WeightOnlyLinear("int8", int8_tensors(linear.weight), n, bias), "int8"
+    return linear, "float32"
+
+
+def q4_1_rows(model: nn.Module, blocks: dict) -> dict[nn.Linear, tuple]:
+    """Each linear of the model -> its Q4_1 fields, where the blocks cover all its rows. A fused linear
+    (layers.fuse_linears) is covered by its parts, whose weights are views of its rows."""
+    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    by_storage = {}
+    for name, linear in linears.items():
+        if linear.weight.storage_offset() == 0:
+            by_storage.setdefault(linear.weight.untyped_storage().data_ptr(), []).append(linear)
+    parts: dict[nn.Linear, list] = {}
+    for name, linear in linears.items():
+        fields = blocks.get(f"{name}.weight")
+        if fields is None:
+            continue
+        width = linear.weight.shape[1]
+        for whole in by_storage.get(linear.weight.untyped_storage().data_ptr(), []):
+            if whole.weight.shape[1] == width and whole.weight.shape[0] >= linear.weight.shape[0]:
+                parts.setdefault(whole, []).append((linear.weight.storage_offset() // width, fields))
+    covered = {}
+    for whole, rows in parts.items():
+        rows.sort(key=lambda r: r[0])
+        if sum(len(f[0]) for _, f in rows) == whole.weight.shape[0] and rows[0][0] == 0:
+            covered[whole] = tuple(torch.cat([f[i] for _, f in rows]) for i in range(3))
+    return covered
+
+
+@dataclass
+class ServedWeights:
+    """What a model's linears were served in, for the start-up line, the bench and the build summary."""
+
+    requested: str
+    chosen: str
+    why: str
+    counts: dict[str, int] = field(default_factory=dict)
+    fallbacks: list[str] = field(default_factory=list)  # linears not in the chosen format, and theirs (the head)
+    megabytes: float = 0.0
+
+    def describe(self) -> str:
+        counts = ", ".join(f"{n} {fmt}" for fmt, n in self.counts.items())
+        fallback = f"; not in {self.chosen}: {', '.join(self.fallbacks)}" if self.fallbacks else ""
+        return f"{self.chosen} ({self.why}): linears {counts}, {self.megabytes:.0f} MB{fallback}"
+
+
+def serve(model: nn.Module, fmt: str, blocks: dict) -> ServedWeights:
+    """Convert the model's plain linears (after fusion) to `fmt`; returns what each got."""
+    covered = q4_1_rows(model, blocks) if fmt == "gguf-int4" else {}
+    served = ServedWeights(fmt, fmt, "")
+    named = [(parent, child_name, child, f"{parent_name}.{child_name}".lstrip("."))
+             for parent_name, parent in list(model.named_modules()) for child_name, child in parent.named_children()
+             if type(child) is nn.Linear and not is_fused_part(child)]
+    for parent, child_name, linear, name in named:
+        module, got = convert(linear, fmt if linear is not model.lm_head else "float32", covered.get(linear))
+        setattr(parent, child_name, module)
+        served.counts[got] = served.counts.get(got, 0) + 1
+        served.megabytes += (module.nbytes() if isinstance(module, WeightOnlyLinear) else linear.weight.nbytes) / 1e6
+        if got != fmt:
+            served.fallbacks.append(f"{name} ({got})")
+    return served
+
+
+def candidates(blocks: dict) -> list[str]:
+    """The formats `auto` measures: those that serve the checkpoint as shipped (module docstring)."""
+    return (["gguf-int4"] if blocks else []) + ["float32"]
+
+
+def requested_format(flag: str | None) -> str:
+    fmt = flag or os.environ.get(ENV) or AUTO
+    if fmt != AUTO and fmt not in FORMATS:
+        raise DFlashError(f"CPU weight format {fmt!r}: expected {AUTO} or one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def choose(model: nn.Module, flag: str | None, blocks: dict) -> tuple[str, str]:
+    """(format, why) for this model on this host: the flag or DFLASH_CPU_WEIGHTS, else measured (cached)."""
+    fmt = requested_format(flag)
+    if fmt == "gguf-int4" and not blocks:
+        raise DFlashError("--cpu-weights gguf-int4: this target has no GGUF Q4_1 blocks (only a GGUF checkpoint "
+                          "converted by this version has them); use int8, bfloat16 or float32")
+    if fmt != AUTO:
+        return fmt, "asked for" if flag else f"{ENV}"
+    options = candidates(blocks)
+    if len(options) == 1:
+        return options[0], "the checkpoint's own format"
+    timings = measured_timings(model, options, blocks)
+    best = min(options, key=lambda f: timings[f][0])
+    return best, "measured on this host: " + ", ".join(f"{f} {timings[f][0]:.1f} ms/token" for f in options)
+
+
+def measured_timings(model: nn.Module, options: list[str], blocks: dict) -> dict[str, list[float]]:
+    """format -> [ms at one row, ms at MANY_ROWS] for all the model's linears, cached per host and model shape."""
+    from .checkpoint import cache_root
+
+    path = cache_root() / "cpu_weights.json"
+    try:
+        hosts = json.loads(path.read_text())
+    except (OSError, ValueError):
+        hosts = {}
+    known = hosts.setdefault(host_signature(), {})
+    key = model_key(model)
+    if not all(f in known.get(key, {}) for f in options):
+        known[key] = {**known.get(key, {}), **{f: time_format(model, f, blocks) for f in options}}
+        try:  # a read-only cache only costs a new measurement next time
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.{os.getpid()}")
+            partial.write_text(json.dumps(hosts, indent=1) + "\n")
+            partial.replace(path)
+        except OSError:
+            pass
+    return known[key]
+
+
+def model_key(model: nn.Module) -> str:
+    shapes = [f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in model.modules()
+              if type(m) is nn.Linear and not is_fused_part(m)]
+    return f"{len(shapes)} linears {' '.join(sorted(set(shapes)))} {model.lm_head.weight.dtype}".replace("torch.", "")
+
+
+def time_format(model: nn.Module, fmt: str, blocks: dict, rounds: int = 3) -> list[float]:
+    """ms for one pass over every linear of the model in `fmt`, at one row and at MANY_ROWS: converted copies of
+    each distinct shape (a layer's linears, the head), COLD_BYTES of them, so that the weights come from memory
+    as in a whole pass and not from a cache that one small weight timed again and again would stay in."""
+    covered = q4_1_rows(model, blocks) if fmt == "gguf-int4" else {}
+    plain = [m for m in model.modules() if type(m) is nn.Linear and not is_fused_part(m)]
+    counts = Counter(tuple(m.weight.shape) for m in plain)
+    first = {tuple(m.weight.shape): m for m in reversed(plain)}  # one linear of each shape
+    result = []
+    with torch.inference_mode():
+        converted = []
+        for shape, count in counts.items():
+            linear = first[shape]
+            linear_format = fmt if linear is not model.lm_head else "float32"
+            copies = [served_copy(linear, linear_format, covered.get(linear))]
+            size = copies[0].nbytes() if isinstance(copies[0], WeightOnlyLinear) else linear.weight.nbytes
+            while len(copies) < min(256, COLD_BYTES // size):  # weights from memory, not the cache
+                copies.append(served_copy(linear, linear_format, covered.get(linear)))
+            converted.append((copies, count, linear.weight.shape[1]))
+        for rows in (1, MANY_ROWS):
+            total = sum(min(_seconds(copies, torch.randn(rows, width)) for _ in range(rounds)) * count
+                        for copies, count, width in converted)
+            result.append(round(total * 1e3, 3))
+    return result
+
+
+def served_copy(linear: nn.Linear, fmt: str, q4_1: tuple | None) -> nn.Module:
+    """A module computing `linear` in `fmt` on weights of its own (a float32 linear's copied)."""
+    if fmt != "float32":
+        return convert(linear, fmt, q4_1)[0]
+    with torch.device("meta"):
+        copy = nn.Linear(linear.in_features, linear.out_features, bias=False)
+    copy.weight = nn.Parameter(linear.weight.clone(), requires_grad=False)
+    return copy
+
+
+def _seconds(modules: list[nn.Module], x: torch.Tensor) -> float:
+    modules[0](x)
+    start = time.perf_counter()
+    for module in modules:
+        module(x)
+    return (time.perf_counter() - start) / len(modules)

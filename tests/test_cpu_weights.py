@@ -1,0 +1,151 @@
+"""The CPU weight formats (cpu_weights.py): the GGUF's own 4-bit blocks, int8, float32; lossless
+speculation on each, what `auto` measures and caches, and clear errors."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import BLOCK, PROMPTS, load_pair
+from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine, load_drafter, load_target
+from dflash_runtime import cpu_weights, gguf_blocks
+from dflash_runtime.checkpoint import read_safetensors
+
+FORMATS = ["gguf-int4", "int8"]
+
+
+def q4_1_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float weight rounded to Q4_1 the way llama.cpp's quantize does it: per block of 32, m = min, d = range / 15."""
+    blocks = weight.float().view(weight.shape[0], -1, gguf_blocks.Q4_1_GROUP)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    d = ((high - low) / 15).clamp(min=1e-8).half()
+    m = low.half()
+    q = torch.round((blocks - m.float()[..., None]) / d.float()[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(weight.shape), d, m
+
+
+@pytest.fixture(scope="module")
+def tiny_with_blocks(tiny, tmp_path_factory):
+    """The tiny target with Q4_1 blocks for its projections, as a GGUF conversion keeps them."""
+    target_dir = tmp_path_factory.mktemp("blocks") / "target"
+    shutil.copytree(tiny[0], target_dir)
+    blocks = {}
+    for name, weight in read_safetensors(target_dir).items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            q, d, m = q4_1_of(weight)
+            blocks[f"{name}.q"], blocks[f"{name}.d"], blocks[f"{name}.m"] = q[:, 0::2] | (q[:, 1::2] << 4), d, m
+    gguf_blocks.save_q4_1(target_dir, blocks)
+    return target_dir, tiny[1]
+
+
+def test_the_embedded_defaults_blocks_are_its_shipped_weights():
+    from dflash_runtime.checkpoint import resolve_target
+
+    target_dir, _ = resolve_target("smollm2-135m")
+    blocks = gguf_blocks.load_q4_1(target_dir)
+    weights = read_safetensors(target_dir)
+    assert len(blocks) == 210  # 30 layers x 7 projections; the Q8_0 embedding (the tied head) is not kept
+    for name, fields in blocks.items():  # q/k rows in transformers' order, not the GGUF's
+        assert torch.equal(gguf_blocks.dequantize(*fields), weights[name]), name
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_computes_its_own_weights(fmt):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True).requires_grad_(False)
+    q4_1 = q4_1_of(linear.weight)
+    module, got = cpu_weights.convert(linear, fmt, q4_1)
+    assert got == fmt and module.bias is linear.bias
+    if fmt == "gguf-int4":  # w = (q - 8) * scale + zero, scale = d, zero = m + 8d, both rounded to bfloat16
+        q, d, m = (t.float() for t in q4_1)
+        scale = d.bfloat16().float().repeat_interleave(32, dim=1)
+        zero = (m + 8 * d).bfloat16().float().repeat_interleave(32, dim=1)
+        weight = (q - 8) * scale + zero
+    else:
+        weight = module.tensors[0].float() * module.tensors[1].float()[:, None]
+    x = torch.randn(3, 5, 64)
+    expected = F.linear(x.bfloat16().float(), weight, linear.bias)
+    out = module(x)
+    assert out.dtype == torch.float32 and out.shape == (3, 5, 48)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_speculation_is_lossless_on_each_format(tiny_with_blocks, fmt):
+    """DFlash against plain decoding on the same served weights: token-identical, greedy, batch 1 and 4."""
+    target = load_target(tiny_with_blocks[0], cpu_weights=fmt)
+    drafter = load_drafter(tiny_with_blocks[1], target.config)
+    served = target.served_weights
+    assert served.chosen == fmt and served.why == "asked for"
+    assert served.counts == {fmt: 16, "float32": 1} and served.fallbacks == ["lm_head (float32)"]  # every projection
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = SpeculativeEngine(target, None, block_size=1, max_batch_size=4).generate(PROMPTS, params)
+    fast = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=4).generate(PROMPTS, params)
+    assert [s.output_ids for s in fast] == [s.output_ids for s in plain]
+    assert sum(len(s.stats.acceptance_lengths) for s in fast) < sum(len(s.output_ids) for s in fast)
+
+
+def test_the_embedded_default_in_its_own_4_bit_weights_is_lossless():
+    from dflash_runtime.pipeline import load_pipeline
+
+    pipe = load_pipeline("smollm2-135m", cpu_weights="gguf-int4")
+    served = pipe.target.served_weights
+    assert served.counts == {"gguf-int4": 120, "float32": 1} and served.fallbacks == ["lm_head (float32)"]
+    assert served.megabytes < 200  # against 538 MB in float32 (the head: 113 MB of it, the embedding's own)
+    prompts = [pipe.encode(q) for q in ("What is the capital of France?", "Write a Python function that adds.")]
+    params = SamplingParams(max_new_tokens=32)
+    plain = pipe.engine(block_size=1, max_batch_size=2).generate(prompts, params)
+    fast = pipe.engine(block_size=8, max_batch_size=2).generate(prompts, params)
+    assert [s.output_ids for s in fast] == [s.output_ids for s in plain]
+    assert "Paris" in pipe.decode(plain[0].output_ids)
+
+
+def test_auto_measures_once_per_host_and_keeps_float32_without_blocks(tiny, tiny_with_blocks, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_weights.ENV, raising=False)
+    assert load_target(tiny[0]).served_weights.why == "the checkpoint's own format"  # nothing to measure
+    first = load_target(tiny_with_blocks[0]).served_weights
+    assert first.requested == "auto" and first.why.startswith("measured on this host: gguf-int4 ")
+    cached = json.loads((tmp_path / "cpu_weights.json").read_text())
+    from dflash_runtime.cpu_linears import host_signature
+
+    [timings] = cached[host_signature()].values()
+    assert set(timings) == {"gguf-int4", "float32"} and all(len(t) == 2 and t[0] > 0 for t in timings.values())
+    monkeypatch.setattr(cpu_weights, "time_format", lambda *a: pytest.fail("measured again"))
+    assert load_target(tiny_with_blocks[0]).served_weights.chosen == first.chosen
+    monkeypatch.setenv(cpu_weights.ENV, "int8")
+    assert load_target(tiny_with_blocks[0]).served_weights.describe().startswith(f"int8 ({cpu_weights.ENV})")
+
+
+def test_formats_it_cannot_serve_are_refused_clearly(tiny):
+    with pytest.raises(DFlashError, match="no GGUF Q4_1 blocks"):
+        load_target(tiny[0], cpu_weights="gguf-int4")
+    with pytest.raises(DFlashError, match="expected auto or one of gguf-int4, int8, float32"):
+        load_target(tiny[0], cpu_weights="int3")
+
+
+def test_the_quality_line_says_how_far_a_format_is_from_float32():
+    from dflash_runtime.checkpoint import resolve_target
+    from dflash_tools.weights_quality import in_words, weights_quality
+
+    quality = weights_quality(resolve_target("smollm2-135m")[0], "gguf-int4", prompts=2, tokens=8, texts=1,
+                              progress=False)
+    assert quality["served"].startswith("gguf-int4 (asked for)") and quality["greedy_agreement"]["tokens_compared"]
+    assert abs(quality["perplexity_change"]) < 0.1  # the shipped 4-bit weights, not a broken copy
+    assert in_words(quality).startswith("gguf-int4 ") and "vs" in in_words(quality)
+
+
+@pytest.mark.llama_cpp
+def test_the_bench_runs_llama_cpp_on_the_same_gguf(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python: the optional `llama` extra (pip install -e '.[llama]')")
+    from dflash_tools.benchmark import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--vs-llama-cpp", "--cpu-weights", "gguf-int4", "--num-prompts", "2", "--max-new-tokens", "16",
+                 "--block-size", "8", "--no-hf", "--batch", "2", "--json", str(out)]) == 0
+    chat = json.loads(out.read_text())["prompt_sets"]["chat"]
+    assert chat["tokens_per_second"]["llama.cpp"] > 0 and chat["ratio_autoregressive_vs_llama_cpp"] > 0
+    assert chat["autoregressive_batch2_tokens_per_second"] > 0 and chat["token_identical_prompts"] == "2/2"
