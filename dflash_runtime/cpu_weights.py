@@ -2,26 +2,23 @@
 
 Decoding on a CPU reads every weight once per step and is bound by memory. torch's CPU weight-only kernels read
 fewer bytes, vectorized for bfloat16 activations only (../shared/DESIGN.md §8), so each converted linear takes
-float32 in, runs the kernel on bfloat16 and gives float32 back; norms, attention, softmax and sampling stay
-float32. Formats:
+float32 in, runs the kernel on bfloat16 and gives float32 back. Formats:
   gguf-int4  the GGUF's own Q4_1 blocks (gguf_blocks.py) on `_weight_int4pack_mm_for_cpu`, groups of 32:
              w = (q - 8) * scale + zero with scale = d, zero = m + 8d (rounded to bfloat16): the shipped model,
              not a dequantized copy. A projection stored otherwise falls back to int8, named in the summary.
   int8       `_weight_int8pack_mm`: int8 with a scale per output channel, quantized here from the float weights.
   float32    as loaded (cpu_linears may still split it across threads).
+Norms, softmax and sampling stay float32; attention runs in float64 for the two low-bit formats (attention_dtype).
 The output head stays float32 in every format (for the embedded default: its Q8_0 embedding, dequantized, so
 still the shipped weights): the kernels return bfloat16, whose resolution near the largest logits (0.125 at
 25) rounded "The" and "L" after "What is the capital of France?" to the same 25.25, and the float32 head ranks
 them as the float32 model does.
-No bfloat16 F.linear: on an AVX2 host it ran 2-8x slower than int8 at a verify block's rows, and a tiny target
-in it was the one format where speculation and plain decoding parted (a 1-ulp difference in attention's
-float32 sums, which depend on how many keys a pass pads to, crosses a bfloat16 rounding boundary of the next
-linear's input; int4 and int8 round their activations to bfloat16 too, so the same can happen there at a
-near-tie, more rarely than it did there: dflash-bench reports token identity).
+No bfloat16 F.linear format: on an AVX2 host it ran 2-8x slower than int8 at a verify block's rows, and a tiny
+target in it was where speculation and plain decoding first parted (before attention ran in float64).
 "auto" measures this host (a decode step's linears at one row and at a verify block's MANY_ROWS, weights read
 from memory as in a whole pass) among the formats that serve the checkpoint as shipped: gguf-int4 where the
-target has blocks, and float32; int8 only when asked for, since it changes the model. The choice is cached per host signature (cache_root()/cpu_weights.json) and overridden by
---cpu-weights or DFLASH_CPU_WEIGHTS.
+target has blocks, and float32; int8 only when asked for, since it changes the model. The choice is cached per
+host signature (cache_root()/cpu_weights.json) and overridden by --cpu-weights or DFLASH_CPU_WEIGHTS.
 """
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn

@@ -8,8 +8,8 @@ import time
 
 from dflash_contract import DFlashError
 from dflash_contract.cli import ArgumentParser
-from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_PRESET, SPECULATIVE_SAMPLING, block_size_argument,
-                                     preset_table)
+from dflash_contract.presets import (AUTO_BLOCK_SIZE, CPU_WEIGHTS, DEFAULT_PRESET, SPECULATIVE_SAMPLING,
+                                     block_size_argument, preset_table)
 from dflash_runtime.sampling import SamplingParams
 
 
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto (default): bfloat16 on CUDA, float32 on a CPU")
     parser.add_argument("--device", default="auto", help="auto (default: CUDA when there is a GPU), cpu, cuda, cuda:N")
+    parser.add_argument("--cpu-weights", choices=CPU_WEIGHTS,
+                        help="the format a CPU serves the target's linears in (default: $DFLASH_CPU_WEIGHTS, else "
+                             "auto: measured on this host among the checkpoint's own formats)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
 
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
     from dflash_runtime.pipeline import load_pipeline
 
     drafter = None if args.drafter == "none" or args.block_size == 1 else args.drafter
-    pipe = load_pipeline(args.target, drafter, args.dtype, args.device)
+    pipe = load_pipeline(args.target, drafter, args.dtype, args.device, cpu_weights=args.cpu_weights)
     if args.max_context is not None:
         pipe.target.config.check_max_context(args.max_context)
     if pipe.drafter is None and args.block_size == AUTO_BLOCK_SIZE:

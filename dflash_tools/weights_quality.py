@@ -45,8 +45,9 @@ def in_words(quality: dict) -> str:
     answers agree on 93.1% of 4096 tokens, first divergence after 41 on average"."""
     agreement = quality["greedy_agreement"]
     same = agreement["matching_fraction"] == 1.0
+    ppl, base = quality["perplexity"], quality["float32_perplexity"]
     return (f"{quality['format']} {'matches' if same else 'is another model than'} float32 here: perplexity "
-            f"{quality['perplexity']:.2f} vs {quality['float32_perplexity']:.2f} ({quality['perplexity_change']:+.1%}); "
+            f"{ppl:.2f} vs {base:.2f} ({quality['perplexity_change']:+.1%}); "
             f"greedy answers agree on {agreement['matching_fraction']:.1%} of {sum(agreement['tokens_compared'])} "
             f"tokens, first divergence after {agreement['mean_first_divergence']:.0f} on average")
 

@@ -42,6 +42,7 @@ def test_default_build_is_complete_and_reused(default_build, capsys):
     assert dflash.parameters["drafter_dir"].string_value == "../drafter"  # relative: the build can move
     assert dflash.parameters["block_size"].string_value == "auto"
     assert dflash.parameters["speculative_sampling"].string_value == "exact"
+    assert dflash.parameters["cpu_weights"].string_value == "auto"  # the serving host measures
     assert dflash.parameters["verify_profile"].string_value == ""  # no sanity run: the server profiles itself
     again = build(BuildOptions(target="smollm2-135m", drafter="preset", max_batch_size=8, sanity_tokens=0),
                   default_build)
