@@ -158,9 +158,11 @@ def load_llama_cpp(pipe, threads: int, context: int):
 
 
 def batch_throughput(engine, prompts: list[list[int]], max_new_tokens: int) -> float:
-    """Tokens per second of one engine answering all prompts at once (greedy, its batch size at a time)."""
+    """Tokens per second of one engine answering a full batch at once, greedy: the set's prompts, repeated
+    (in turn) where the set has fewer than the engine's batch size."""
+    batch = [prompts[i % len(prompts)] for i in range(max(len(prompts), engine.scheduler.num_slots))]
     start = time.perf_counter()
-    seqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    seqs = engine.generate(batch, SamplingParams(max_new_tokens=max_new_tokens))
     return round(sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - start), 2)
 
 
@@ -347,7 +349,8 @@ def main(argv=None) -> int:
                              "was converted from, greedy, with torch's thread count, alternating with the other "
                              "modes prompt by prompt; reports its tok/s and our plain decoding's ratio to it")
     parser.add_argument("--batch", type=int, default=0,
-                        help="also time each greedy set's prompts N at a time through our plain decoding (throughput)")
+                        help="also time our plain decoding's throughput with N requests at a time (each greedy set's "
+                             "prompts, repeated to fill N)")
     parser.add_argument("--cpu-weights", choices=CPU_WEIGHTS,
                         help="the format a CPU serves the target's linears in (default: $DFLASH_CPU_WEIGHTS, else "
                              "auto: measured on this host among the checkpoint's own formats)")
