@@ -565,8 +565,21 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
+def _import_native_extensions() -> None:
+    """Import now what a build would import lazily from nanobind extensions (triton, under torch._dynamo, which the
+    first model made on the meta device loads; xgrammar): a stop signal raised inside such an import ends the
+    process in std::terminate instead of KeyboardInterrupt (seen in a test run)."""
+    import importlib.util
+
+    import torch._dynamo  # noqa: F401
+
+    if importlib.util.find_spec("xgrammar") is not None:
+        import xgrammar  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _import_native_extensions()
     previous = {signum: signal.signal(signum, _interrupted) for signum in STOP_SIGNALS}
     _stopped_by.clear()
     try:

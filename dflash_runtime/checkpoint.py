@@ -180,7 +180,7 @@ def gguf_source(folder: Path) -> Path | None:
     stamp = folder / ".source"
     if not stamp.is_file():
         return None
-    path = Path(stamp.read_text().split(":")[0])
+    path = Path(stamp.read_text().rsplit(":", 2)[0])  # "<gguf path>:<size>:q4_1"
     return path if path.is_file() else None
 
 

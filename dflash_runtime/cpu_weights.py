@@ -162,7 +162,9 @@ def candidates(blocks: dict) -> list[str]:
 
 
 def requested_format(flag: str | None) -> str:
-    fmt = flag or os.environ.get(ENV) or AUTO
+    """The flag, unless it is absent or "auto" (a build's default: the serving host decides), then
+    DFLASH_CPU_WEIGHTS, then auto."""
+    fmt = (flag if flag != AUTO else None) or os.environ.get(ENV) or AUTO
     if fmt != AUTO and fmt not in FORMATS:
         raise DFlashError(f"CPU weight format {fmt!r}: expected {AUTO} or one of {', '.join(FORMATS)}")
     return fmt

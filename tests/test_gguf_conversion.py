@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import make_target
-from dflash_runtime.checkpoint import forget_gguf_quantization, materialize_gguf, resolve_target
+from dflash_runtime.checkpoint import forget_gguf_quantization, gguf_source, materialize_gguf, resolve_target
 from dflash_runtime.config import DFlashError
 
 
@@ -52,7 +51,7 @@ def test_embedded_gguf_converts_bit_identically_under_the_pinned_transformers(tm
     from safetensors.torch import load_file
 
     cached, _ = resolve_target("smollm2-135m")
-    gguf = Path((cached / ".source").read_text().rsplit(":", 1)[0])  # the stamp is "<gguf path>:<size>"
+    gguf = gguf_source(cached)
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     fresh = materialize_gguf(gguf, "fresh")
     assert "quantization_config" not in json.loads((fresh / "config.json").read_text())
