@@ -277,7 +277,7 @@ def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
             from dflash_tools.weights_quality import weights_quality
 
             result["cpu_weights_quality"] = weights_quality(build / TARGET_DIR, served.chosen, prompts=4, tokens=32,
-                                                            texts=2, progress=False)
+                                                            texts=2, progress=False, served=pipe.target)
     if dflash.graphs.capture:
         report = dflash.graphs.report
         result["cuda_graphs"] = {"graphs": report.graphs, "MiB": round(report.pool_bytes / 2 ** 20, 1),

@@ -102,7 +102,7 @@ def q4_1_rows(model: nn.Module, blocks: dict) -> dict[nn.Linear, tuple]:
     (layers.fuse_linears) is covered by its parts, whose weights are views of its rows."""
     linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
     by_storage = {}
-    for name, linear in linears.items():
+    for linear in linears.values():
         if linear.weight.storage_offset() == 0:
             by_storage.setdefault(linear.weight.untyped_storage().data_ptr(), []).append(linear)
     parts: dict[nn.Linear, list] = {}
@@ -139,10 +139,11 @@ class ServedWeights:
         return f"{self.chosen} ({self.why}): linears {counts}, {self.megabytes:.0f} MB{fallback}"
 
 
-def serve(model: nn.Module, fmt: str, blocks: dict) -> ServedWeights:
-    """Convert the model's plain linears (after fusion) to `fmt`; returns what each got."""
+def serve(model: nn.Module, requested: str, fmt: str, why: str, blocks: dict) -> ServedWeights:
+    """Convert the model's plain linears (after fusion) to `fmt` (chosen for `requested`, because `why`); returns
+    what each got."""
     covered = q4_1_rows(model, blocks) if fmt == "gguf-int4" else {}
-    served = ServedWeights(fmt, fmt, "")
+    served = ServedWeights(requested, fmt, why)
     named = [(parent, child_name, child, f"{parent_name}.{child_name}".lstrip("."))
              for parent_name, parent in list(model.named_modules()) for child_name, child in parent.named_children()
              if type(child) is nn.Linear and not is_fused_part(child)]
@@ -170,14 +171,14 @@ def requested_format(flag: str | None) -> str:
     return fmt
 
 
-def choose(model: nn.Module, flag: str | None, blocks: dict) -> tuple[str, str]:
-    """(format, why) for this model on this host: the flag or DFLASH_CPU_WEIGHTS, else measured (cached)."""
-    fmt = requested_format(flag)
+def choose(model: nn.Module, fmt: str, blocks: dict, why_asked: str) -> tuple[str, str]:
+    """(format, why) for this model on this host: fmt (requested_format's) unless it is auto, else measured
+    (cached). why_asked: who asked for fmt, "asked for" or DFLASH_CPU_WEIGHTS."""
     if fmt == "gguf-int4" and not blocks:
         raise DFlashError("--cpu-weights gguf-int4: this target has no GGUF Q4_1 blocks (only a GGUF checkpoint "
-                          "converted by this version has them); use int8, bfloat16 or float32")
+                          "converted by this version has them); use int8 or float32")
     if fmt != AUTO:
-        return fmt, "asked for" if flag else f"{ENV}"
+        return fmt, why_asked
     options = candidates(blocks)
     if len(options) == 1:
         return options[0], "the checkpoint's own format"

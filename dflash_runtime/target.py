@@ -138,7 +138,8 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 
 def serve_cpu_weights(model: TargetModel, path: Path, flag: str | None) -> None:
     blocks = load_q4_1(path)
-    fmt, why = cpu_weights.choose(model, flag, blocks)
-    model.served_weights = cpu_weights.serve(model, fmt, blocks)
+    requested = cpu_weights.requested_format(flag)
+    asked_by = "asked for" if flag not in (None, cpu_weights.AUTO) else cpu_weights.ENV
+    fmt, why = cpu_weights.choose(model, requested, blocks, asked_by)
+    model.served_weights = cpu_weights.serve(model, requested, fmt, why, blocks)
     model.attention_dtype = cpu_weights.attention_dtype(fmt)
-    model.served_weights.requested, model.served_weights.why = cpu_weights.requested_format(flag), why

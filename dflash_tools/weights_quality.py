@@ -21,14 +21,16 @@ from dflash_contract import DFlashError
 from dflash_contract.presets import CPU_WEIGHTS, DEFAULT_PRESET
 
 
-def weights_quality(target_dir, fmt: str, prompts: int, tokens: int, texts: int, progress: bool = True) -> dict:
-    """{format, served, float32 and format perplexity, greedy agreement} for the target at target_dir."""
+def weights_quality(target_dir, fmt: str, prompts: int, tokens: int, texts: int, progress: bool = True,
+                    served=None) -> dict:
+    """{format, served, float32 and format perplexity, greedy agreement} for the target at target_dir; served:
+    that target already loaded in fmt (a build's sanity run has it), else loaded here."""
     from builder.quantize import _runtime_logits, heldout_set, measure
     from dflash_runtime import SamplingParams, SpeculativeEngine, load_target
     from dflash_runtime.text import load_tokenizer
 
     reference = load_target(target_dir, cpu_weights="float32")
-    served = load_target(target_dir, cpu_weights=fmt)
+    served = served or load_target(target_dir, cpu_weights=fmt)
     held_texts, held_prompts = heldout_set(load_tokenizer(target_dir), texts, 512, prompts)
     engine = SpeculativeEngine(reference, None, block_size=1, max_batch_size=8)
     answers = engine.generate(held_prompts, SamplingParams(max_new_tokens=tokens))
