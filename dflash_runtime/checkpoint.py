@@ -17,7 +17,7 @@ from dflash_contract.layout import REPO_ROOT
 from dflash_contract.presets import PRESETS, Preset
 
 from .config import DFlashError, read_json
-from .gguf_blocks import extract_q4_1, save_q4_1
+from .gguf_blocks import extract_blocks, save_blocks
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -144,12 +144,12 @@ def materialize_gguf(gguf_file: Path, name: str) -> Path:
     """Dequantize a GGUF checkpoint once into the HF layout (config, safetensors, tokenizer) and reuse it.
 
     transformers dequantizes GGUF on every load (~30 s for a 135M model on 2 cores); the cached
-    float32 copy loads in about a second. Its Q4_1 tensors are kept as they are too (gguf_blocks.py), for a
-    CPU to serve them (cpu_weights.py).
+    float32 copy loads in about a second. Its Q4_1 projections and Q8_0 head are kept as they are too
+    (gguf_blocks.py), for a CPU to serve them (cpu_weights.py).
     """
     out = cache_root() / name
-    # "q4_1": the folder also keeps the GGUF's own 4-bit blocks (gguf_blocks.py); older folders are remade
-    stamp = f"{gguf_file.resolve()}:{gguf_file.stat().st_size}:q4_1"
+    # "q4_1+q8_0": the folder also keeps the GGUF's own blocks (gguf_blocks.py); older folders are remade
+    stamp = f"{gguf_file.resolve()}:{gguf_file.stat().st_size}:q4_1+q8_0"
     if (out / ".source").is_file() and (out / ".source").read_text() == stamp:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -164,8 +164,8 @@ def materialize_gguf(gguf_file: Path, name: str) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     weights = model.state_dict()
-    save_q4_1(tmp, extract_q4_1(gguf_file, weights, model.config.num_attention_heads,
-                                model.config.num_key_value_heads))
+    save_blocks(tmp, extract_blocks(gguf_file, weights, model.config.num_attention_heads,
+                                    model.config.num_key_value_heads))
     (tmp / ".source").write_text(stamp)
     if not ((out / ".source").is_file() and (out / ".source").read_text() == stamp):  # else: another process won
         shutil.rmtree(out, ignore_errors=True)
@@ -180,7 +180,7 @@ def gguf_source(folder: Path) -> Path | None:
     stamp = folder / ".source"
     if not stamp.is_file():
         return None
-    path = Path(stamp.read_text().rsplit(":", 2)[0])  # "<gguf path>:<size>:q4_1"
+    path = Path(stamp.read_text().rsplit(":", 2)[0])  # "<gguf path>:<size>:q4_1+q8_0"
     return path if path.is_file() else None
 
 

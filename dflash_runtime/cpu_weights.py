@@ -1,18 +1,23 @@
 """The format a CPU serves a target's linear weights in, chosen when the target loads.
 
-Decoding on a CPU reads every weight once per step and is bound by memory. torch's CPU weight-only kernels read
-fewer bytes, vectorized for bfloat16 activations only (../shared/DESIGN.md §8), so each converted linear takes
-float32 in, runs the kernel on bfloat16 and gives float32 back. Formats:
-  gguf-int4  the GGUF's own Q4_1 blocks (gguf_blocks.py) on `_weight_int4pack_mm_for_cpu`, groups of 32:
-             w = (q - 8) * scale + zero with scale = d, zero = m + 8d (rounded to bfloat16): the shipped model,
-             not a dequantized copy. A projection stored otherwise falls back to int8, named in the summary.
-  int8       `_weight_int8pack_mm`: int8 with a scale per output channel, quantized here from the float weights.
+Decoding on a CPU reads every weight once per step and is bound by memory, and by the arithmetic of unpacking
+what it reads. Formats:
+  gguf-int4  the GGUF's own blocks (gguf_blocks.py): its Q4_1 projections and, where the GGUF has one, its Q8_0
+             head, on gguf_kernels.py's AVX2 kernels wherever they build (activations quantized to int16 per
+             block of 32, float32 out; a Llama layer in one call): the shipped model, not a dequantized copy,
+             its greedy answers the float32 model's on 99.9% of tokens for SmolLM2. Elsewhere
+             the projections run on torch's `_weight_int4pack_mm_for_cpu` (groups of 32, bfloat16 activations:
+             w = (q - 8) * scale + zero, scale = d, zero = m + 8d rounded to bfloat16) and the head in float32.
+             A projection stored otherwise falls back to int8, named in the summary.
+  int8       `_weight_int8pack_mm`: int8 with a scale per output channel, quantized here from the float weights,
+             on bfloat16 activations.
   float32    as loaded (cpu_linears may still split it across threads).
-Norms, softmax and sampling stay float32; attention runs in float64 for the two low-bit formats (attention_dtype).
-The output head stays float32 in every format (for the embedded default: its Q8_0 embedding, dequantized, so
-still the shipped weights): the kernels return bfloat16, whose resolution near the largest logits (0.125 at
-25) rounded "The" and "L" after "What is the capital of France?" to the same 25.25, and the float32 head ranks
-them as the float32 model does.
+torch's kernels are vectorized for bfloat16 activations only (../shared/DESIGN.md §8), so a linear on them takes
+float32 in, runs on bfloat16 and gives float32 back. Norms, softmax and sampling stay float32; attention on torch runs in
+float64 for the low-bit formats (attention_dtype). A head on torch's kernels would return bfloat16, whose
+resolution near the largest logits (0.125 at 25) rounded "The" and "L" after "What is the capital of France?" to
+the same 25.25: without the GGUF kernels the head stays float32 (for the embedded default: its Q8_0 embedding,
+dequantized, so still the shipped weights).
 No bfloat16 F.linear format: on an AVX2 host it ran 2-8x slower than int8 at a verify block's rows, and a tiny
 target in it was where speculation and plain decoding first parted (before attention ran in float64).
 "auto" measures this host (a decode step's linears at one row and at a verify block's MANY_ROWS, weights read
@@ -35,6 +40,7 @@ from dflash_contract.presets import CPU_WEIGHTS
 
 from .config import DFlashError
 from .cpu_linears import host_signature, is_fused_part
+from .gguf_kernels import GGUFLinear, LlamaLayerKernels, library
 
 AUTO, FORMATS = CPU_WEIGHTS[0], CPU_WEIGHTS[1:]
 ENV = "DFLASH_CPU_WEIGHTS"
@@ -86,20 +92,33 @@ def int8_tensors(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.to(torch.bfloat16)
 
 
-def convert(linear: nn.Linear, fmt: str, q4_1: tuple | None) -> tuple[nn.Module, str]:
-    """linear in `fmt` (q4_1: its GGUF blocks, if any) -> (module, the format it really got)."""
+def convert(linear: nn.Linear, fmt: str, blocks: tuple | None, head: bool = False) -> tuple[nn.Module, str]:
+    """linear in `fmt` (blocks: its GGUF fields, if any; head: it is the output head) -> (module, the format it
+    really got: fmt, or int8 or float32 where it could not be served in fmt, or q8_0 for a Q8_0 head)."""
     bias = linear.bias
     n = linear.weight.shape[0]
-    if fmt == "gguf-int4" and q4_1 is not None and n % 16 == 0:
-        return WeightOnlyLinear(fmt, int4_tensors(*q4_1), n, bias), fmt
+    if fmt == "gguf-int4" and blocks is not None and library()[0] is not None:
+        return GGUFLinear(blocks, bias), "gguf-int4" if len(blocks) == 3 else "q8_0"
+    if head:
+        return linear, "float32"
+    if fmt == "gguf-int4" and blocks is not None and len(blocks) == 3 and n % 16 == 0:
+        return WeightOnlyLinear(fmt, int4_tensors(*blocks), n, bias), fmt
     if fmt in ("gguf-int4", "int8"):
         return WeightOnlyLinear("int8", int8_tensors(linear.weight), n, bias), "int8"
     return linear, "float32"
 
 
-def q4_1_rows(model: nn.Module, blocks: dict) -> dict[nn.Linear, tuple]:
-    """Each linear of the model -> its Q4_1 fields, where the blocks cover all its rows. A fused linear
-    (layers.fuse_linears) is covered by its parts, whose weights are views of its rows."""
+def kernel(fmt: str) -> str:
+    """What runs a format's low-bit linears on this host, for the summaries."""
+    if fmt == "gguf-int4":
+        lib, why_not = library()
+        return "AVX2 kernels (gguf_kernels.c)" if lib else f"torch's int4 kernel ({why_not})"
+    return "torch's int8 kernel" if fmt == "int8" else "torch"
+
+
+def model_blocks(model: nn.Module, blocks: dict) -> dict[nn.Linear, tuple]:
+    """Each linear of the model -> its GGUF fields, where the blocks cover all its rows. A fused linear
+    (layers.fuse_linears) is covered by its Q4_1 parts, whose weights are views of its rows."""
     linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
     by_storage = {}
     for linear in linears.values():
@@ -108,7 +127,7 @@ def q4_1_rows(model: nn.Module, blocks: dict) -> dict[nn.Linear, tuple]:
     parts: dict[nn.Linear, list] = {}
     for name, linear in linears.items():
         fields = blocks.get(f"{name}.weight")
-        if fields is None:
+        if fields is None or len(fields) != 3:
             continue
         width = linear.weight.shape[1]
         for whole in by_storage.get(linear.weight.untyped_storage().data_ptr(), []):
@@ -119,6 +138,8 @@ def q4_1_rows(model: nn.Module, blocks: dict) -> dict[nn.Linear, tuple]:
         rows.sort(key=lambda r: r[0])
         if sum(len(f[0]) for _, f in rows) == whole.weight.shape[0] and rows[0][0] == 0:
             covered[whole] = tuple(torch.cat([f[i] for _, f in rows]) for i in range(3))
+    if "lm_head.weight" in blocks:
+        covered[model.lm_head] = blocks["lm_head.weight"]
     return covered
 
 
@@ -132,28 +153,36 @@ class ServedWeights:
     counts: dict[str, int] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)  # linears not in the chosen format, and theirs (the head)
     megabytes: float = 0.0
+    kernel: str = "torch"
+    fused_layers: int = 0  # layers run as two kernel calls around their attention (LlamaLayerKernels)
 
     def describe(self) -> str:
         counts = ", ".join(f"{n} {fmt}" for fmt, n in self.counts.items())
         fallback = f"; not in {self.chosen}: {', '.join(self.fallbacks)}" if self.fallbacks else ""
-        return f"{self.chosen} ({self.why}): linears {counts}, {self.megabytes:.0f} MB{fallback}"
+        fused = f", {self.fused_layers} layers fused" if self.fused_layers else ""
+        return (f"{self.chosen} ({self.why}) on {self.kernel}: linears {counts}, {self.megabytes:.0f} MB{fused}"
+                f"{fallback}")
 
 
 def serve(model: nn.Module, requested: str, fmt: str, why: str, blocks: dict) -> ServedWeights:
     """Convert the model's plain linears (after fusion) to `fmt` (chosen for `requested`, because `why`); returns
     what each got."""
-    covered = q4_1_rows(model, blocks) if fmt == "gguf-int4" else {}
-    served = ServedWeights(requested, fmt, why)
+    covered = model_blocks(model, blocks) if fmt == "gguf-int4" else {}
+    served = ServedWeights(requested, fmt, why, kernel=kernel(fmt))
     named = [(parent, child_name, child, f"{parent_name}.{child_name}".lstrip("."))
              for parent_name, parent in list(model.named_modules()) for child_name, child in parent.named_children()
              if type(child) is nn.Linear and not is_fused_part(child)]
     for parent, child_name, linear, name in named:
-        module, got = convert(linear, fmt if linear is not model.lm_head else "float32", covered.get(linear))
+        module, got = convert(linear, fmt, covered.get(linear), head=linear is model.lm_head)
         setattr(parent, child_name, module)
         served.counts[got] = served.counts.get(got, 0) + 1
-        served.megabytes += (module.nbytes() if isinstance(module, WeightOnlyLinear) else linear.weight.nbytes) / 1e6
+        served.megabytes += nbytes(module) / 1e6
         if got != fmt:
             served.fallbacks.append(f"{name} ({got})")
+    for layer in model.modules():
+        if hasattr(layer, "kernels") and LlamaLayerKernels.fits(layer):
+            layer.kernels = LlamaLayerKernels(layer)
+            served.fused_layers += 1
     return served
 
 
@@ -220,7 +249,7 @@ def time_format(model: nn.Module, fmt: str, blocks: dict, rounds: int = 3) -> li
     """ms for one pass over every linear of the model in `fmt`, at one row and at MANY_ROWS: converted copies of
     each distinct shape (a layer's linears, the head), COLD_BYTES of them, so that the weights come from memory
     as in a whole pass and not from a cache that one small weight timed again and again would stay in."""
-    covered = q4_1_rows(model, blocks) if fmt == "gguf-int4" else {}
+    covered = model_blocks(model, blocks) if fmt == "gguf-int4" else {}
     plain = [m for m in model.modules() if type(m) is nn.Linear and not is_fused_part(m)]
     counts = Counter(tuple(m.weight.shape) for m in plain)
     first = {tuple(m.weight.shape): m for m in reversed(plain)}  # one linear of each shape
@@ -229,11 +258,9 @@ def time_format(model: nn.Module, fmt: str, blocks: dict, rounds: int = 3) -> li
         converted = []
         for shape, count in counts.items():
             linear = first[shape]
-            linear_format = fmt if linear is not model.lm_head else "float32"
-            copies = [served_copy(linear, linear_format, covered.get(linear))]
-            size = copies[0].nbytes() if isinstance(copies[0], WeightOnlyLinear) else linear.weight.nbytes
-            while len(copies) < min(256, COLD_BYTES // size):  # weights from memory, not the cache
-                copies.append(served_copy(linear, linear_format, covered.get(linear)))
+            copies = [served_copy(linear, fmt, covered.get(linear), linear is model.lm_head)]
+            while len(copies) < min(256, COLD_BYTES // nbytes(copies[0])):  # weights from memory, not the cache
+                copies.append(served_copy(linear, fmt, covered.get(linear), linear is model.lm_head))
             converted.append((copies, count, linear.weight.shape[1]))
         for rows in (1, MANY_ROWS):
             total = sum(min(_seconds(copies, torch.randn(rows, width)) for _ in range(rounds)) * count
@@ -242,14 +269,19 @@ def time_format(model: nn.Module, fmt: str, blocks: dict, rounds: int = 3) -> li
     return result
 
 
-def served_copy(linear: nn.Linear, fmt: str, q4_1: tuple | None) -> nn.Module:
-    """A module computing `linear` in `fmt` on weights of its own (a float32 linear's copied)."""
-    if fmt != "float32":
-        return convert(linear, fmt, q4_1)[0]
+def served_copy(linear: nn.Linear, fmt: str, blocks: tuple | None, head: bool) -> nn.Module:
+    """A module computing `linear` as serve would in `fmt`, on weights of its own (a float32 linear's copied)."""
+    module = convert(linear, fmt, blocks, head)[0]
+    if module is not linear:
+        return module
     with torch.device("meta"):
         copy = nn.Linear(linear.in_features, linear.out_features, bias=False)
     copy.weight = nn.Parameter(linear.weight.clone(), requires_grad=False)
     return copy
+
+
+def nbytes(module: nn.Module) -> int:
+    return module.nbytes() if isinstance(module, (WeightOnlyLinear, GGUFLinear)) else module.weight.nbytes
 
 
 def _seconds(modules: list[nn.Module], x: torch.Tensor) -> float:

@@ -9,7 +9,8 @@ from torch import nn
 
 from . import cpu_weights
 from .checkpoint import load_weights, read_safetensors
-from .gguf_blocks import load_q4_1
+from .gguf_blocks import load_blocks
+from .gguf_kernels import LlamaPass
 from .config import TargetConfig
 from .kv_cache import BLOCK_SIZE, KVCache
 from .layers import MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference
@@ -23,6 +24,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(s.hidden_size, s.intermediate_size)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.kernels = None  # gguf_kernels.LlamaLayerKernels, where cpu_weights serves the layer on them (forward
+        # is then not called: TargetModel.forward calls the kernels)
 
     def forward(self, h, cos, sin, keys_values: KeysValues, mask: AttentionMask):
         attn = self.self_attn
@@ -102,9 +105,15 @@ class TargetModel(nn.Module):
             visible = key_positions[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]: causal, ragged
         s = self.config.shape
         mask = AttentionMask(visible, s.num_heads, s.num_kv_heads, self.attention_dtype)
+        kernel_pass = None  # what the layers on kernels (cpu_weights) share, made by the first
         selected = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, partial(cache.write_and_read, i, table, positions, length), mask)
+            if layer.kernels is not None:
+                if kernel_pass is None:
+                    kernel_pass = LlamaPass.of(positions, table, length, visible, cos, sin, cache.block_size)
+                h = layer.kernels(h, cache.k[i], cache.v[i], kernel_pass)
+            else:
+                h = layer(h, cos, sin, partial(cache.write_and_read, i, table, positions, length), mask)
             if i in feature_layers:
                 selected[i] = h
         features = torch.cat([selected[i] for i in feature_layers], dim=-1) if feature_layers else None
@@ -137,7 +146,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 
 
 def serve_cpu_weights(model: TargetModel, path: Path, flag: str | None) -> None:
-    blocks = load_q4_1(path)
+    blocks = load_blocks(path)
     requested = cpu_weights.requested_format(flag)
     asked_by = "asked for" if flag not in (None, cpu_weights.AUTO) else cpu_weights.ENV
     fmt, why = cpu_weights.choose(model, requested, blocks, asked_by)

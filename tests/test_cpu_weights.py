@@ -1,5 +1,5 @@
-"""The CPU weight formats (cpu_weights.py): the GGUF's own 4-bit blocks, int8, float32; lossless
-speculation on each, what `auto` measures and caches, and clear errors."""
+"""The CPU weight formats (cpu_weights.py): the GGUF's own blocks on our AVX2 kernels (gguf_kernels.py) or
+torch's, int8, float32; lossless speculation on each, what `auto` measures and caches, and clear errors."""
 from __future__ import annotations
 
 import json
@@ -11,10 +11,12 @@ import torch.nn.functional as F
 
 from conftest import BLOCK, PROMPTS, load_pair
 from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine, load_drafter, load_target
-from dflash_runtime import cpu_weights, gguf_blocks
+from dflash_runtime import cpu_weights, gguf_blocks, gguf_kernels
 from dflash_runtime.checkpoint import read_safetensors
 
 FORMATS = ["gguf-int4", "int8"]
+KERNELS, WHY_NO_KERNELS = gguf_kernels.library()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"gguf_kernels: {WHY_NO_KERNELS}")
 
 
 def q4_1_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -32,12 +34,9 @@ def tiny_with_blocks(tiny, tmp_path_factory):
     """The tiny target with Q4_1 blocks for its projections, as a GGUF conversion keeps them."""
     target_dir = tmp_path_factory.mktemp("blocks") / "target"
     shutil.copytree(tiny[0], target_dir)
-    blocks = {}
-    for name, weight in read_safetensors(target_dir).items():
-        if ".layers." in name and name.endswith("proj.weight"):
-            q, d, m = q4_1_of(weight)
-            blocks[f"{name}.q"], blocks[f"{name}.d"], blocks[f"{name}.m"] = q[:, 0::2] | (q[:, 1::2] << 4), d, m
-    gguf_blocks.save_q4_1(target_dir, blocks)
+    blocks = {name: q4_1_of(weight) for name, weight in read_safetensors(target_dir).items()
+              if ".layers." in name and name.endswith("proj.weight")}
+    gguf_blocks.save_blocks(target_dir, blocks)
     return target_dir, tiny[1]
 
 
@@ -45,20 +44,41 @@ def test_the_embedded_defaults_blocks_are_its_shipped_weights():
     from dflash_runtime.checkpoint import resolve_target
 
     target_dir, _ = resolve_target("smollm2-135m")
-    blocks = gguf_blocks.load_q4_1(target_dir)
+    blocks = gguf_blocks.load_blocks(target_dir)
     weights = read_safetensors(target_dir)
-    assert len(blocks) == 210  # 30 layers x 7 projections; the Q8_0 embedding (the tied head) is not kept
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])  # tied
+    assert len(blocks) == 211  # 30 layers x 7 Q4_1 projections, and the Q8_0 embedding as the tied head
+    assert len(blocks["lm_head.weight"]) == 2 and blocks["lm_head.weight"][0].dtype == torch.int8
     for name, fields in blocks.items():  # q/k rows in transformers' order, not the GGUF's
         assert torch.equal(gguf_blocks.dequantize(*fields), weights[name]), name
 
 
+def int16_arithmetic(x: torch.Tensor, fields: tuple) -> torch.Tensor:
+    """What gguf_kernels computes, in torch: x [rows, K] quantized to int16 per block of 32 (scale max / 32767,
+    rounded half to even), each block's integer dot product scaled by both scales, plus Q4_1's minimum times the
+    block's float sum of x."""
+    rows, k = x.shape
+    q, d = fields[0].double(), fields[1].double()
+    blocks = x.view(rows, k // 32, 32)
+    scale = blocks.abs().amax(-1) / 32767
+    xq = torch.round(blocks * torch.where(scale > 0, 1 / scale, 0)[..., None]).double()
+    dots = torch.einsum("rbi,nbi->rnb", xq, q.view(len(q), k // 32, 32))
+    y = (dots * scale.double()[:, None, :] * d[None]).sum(-1)
+    if len(fields) == 3:
+        y += blocks.double().sum(-1) @ fields[2].double().T
+    return y.float()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_each_format_computes_its_own_weights(fmt):
+def test_each_format_computes_its_own_weights(fmt, monkeypatch):
+    """gguf-int4 on torch's kernel (a host where ours do not build) and int8: bfloat16 activations."""
+    monkeypatch.setattr(cpu_weights, "library", lambda: (None, "as on a host without AVX2"))
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True).requires_grad_(False)
     q4_1 = q4_1_of(linear.weight)
     module, got = cpu_weights.convert(linear, fmt, q4_1)
-    assert got == fmt and module.bias is linear.bias
+    assert got == fmt and module.bias is linear.bias and isinstance(module, cpu_weights.WeightOnlyLinear)
+    assert "as on a host without AVX2" in cpu_weights.kernel("gguf-int4")
     if fmt == "gguf-int4":  # w = (q - 8) * scale + zero, scale = d, zero = m + 8d, both rounded to bfloat16
         q, d, m = (t.float() for t in q4_1)
         scale = d.bfloat16().float().repeat_interleave(32, dim=1)
@@ -73,6 +93,38 @@ def test_each_format_computes_its_own_weights(fmt):
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_the_gguf_kernels_compute_their_blocks_one_row_as_in_any_batch(kind):
+    """Our AVX2 kernels: the int16 arithmetic of int16_arithmetic, close to the dequantized float32 weight; each
+    row's result bitwise the same alone or among others (what keeps speculation lossless), any thread count."""
+    torch.manual_seed(0)
+    weight = torch.randn(80, 96) * 0.05
+    if kind == "q4_1":
+        fields = q4_1_of(weight)
+    else:
+        d = (weight.view(80, 3, 32).abs().amax(-1) / 127).half()
+        fields = (torch.round(weight.view(80, 3, 32) / d.float()[..., None]).to(torch.int8).view(80, 96), d)
+    linear = torch.nn.Linear(96, 80).requires_grad_(False)
+    bias = linear.bias
+    module, got = cpu_weights.convert(linear, "gguf-int4", fields)
+    assert isinstance(module, gguf_kernels.GGUFLinear) and got == ("gguf-int4" if kind == "q4_1" else "q8_0")
+    x = torch.randn(9, 96) * 3
+    x[4, 32:64] = 0  # a block of zeros: scale 0
+    out = module(x)
+    torch.testing.assert_close(out, int16_arithmetic(x, fields) + bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, F.linear(x, gguf_blocks.dequantize(*fields), bias), rtol=1e-3, atol=1e-3)
+    alone = torch.cat([module(x[i:i + 1]) for i in range(len(x))])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = module(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, alone) and torch.equal(out, one_thread)
+    assert module(x.view(3, 3, 96)).shape == (3, 3, 80)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_speculation_is_lossless_on_each_format(tiny_with_blocks, fmt):
     """DFlash against plain decoding on the same served weights: token-identical, greedy, batch 1 and 4."""
@@ -81,6 +133,8 @@ def test_speculation_is_lossless_on_each_format(tiny_with_blocks, fmt):
     served = target.served_weights
     assert served.chosen == fmt and served.why == "asked for"
     assert served.counts == {fmt: 16, "float32": 1} and served.fallbacks == ["lm_head (float32)"]  # every projection
+    on_kernels = fmt == "gguf-int4" and KERNELS is not None and target.config.arch == "llama"  # qwen3: head norms
+    assert served.fused_layers == (4 if on_kernels else 0)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     plain = SpeculativeEngine(target, None, block_size=1, max_batch_size=4).generate(PROMPTS, params)
     fast = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=4).generate(PROMPTS, params)
@@ -88,12 +142,39 @@ def test_speculation_is_lossless_on_each_format(tiny_with_blocks, fmt):
     assert sum(len(s.stats.acceptance_lengths) for s in fast) < sum(len(s.output_ids) for s in fast)
 
 
+@needs_kernels
+def test_a_llama_layer_in_one_call_is_that_layer_on_torch(tiny_with_blocks):
+    """LlamaLayerKernels against the same layer's modules on the same kernels (attention in float64 there): the
+    logits of a prompt; and a position beyond the block table is an IndexError, not a write out of bounds."""
+    target = load_target(tiny_with_blocks[0], cpu_weights="gguf-int4")
+    if target.config.arch != "llama":
+        pytest.skip("qwen3's per-head norms keep its layers on torch (test_speculation_is_lossless_on_each_format)")
+    tokens = torch.tensor([PROMPTS[2]])
+    kernels = [layer.kernels for layer in target.model.layers]
+    with torch.inference_mode():
+        fused, _ = target.whole_pass(tokens)
+        for layer in target.model.layers:
+            layer.kernels = None
+        on_torch, _ = target.whole_pass(tokens)
+        for layer, kernel in zip(target.model.layers, kernels):
+            layer.kernels = kernel
+        torch.testing.assert_close(fused, on_torch, rtol=1e-3, atol=1e-3)
+        cache = target.new_cache(2)
+        table = cache.sequential_table(1, cache.block_size)
+        with pytest.raises(IndexError, match="beyond the table"):
+            target(tokens[:, :1], torch.tensor([[cache.block_size]]), cache, table)
+
+
 def test_the_embedded_default_in_its_own_4_bit_weights_is_lossless():
     from dflash_runtime.pipeline import load_pipeline
 
     pipe = load_pipeline("smollm2-135m", cpu_weights="gguf-int4")
     served = pipe.target.served_weights
-    assert served.counts == {"gguf-int4": 120, "float32": 1} and served.fallbacks == ["lm_head (float32)"]
+    if KERNELS is not None:  # the GGUF's Q8_0 head on our kernels too, every layer in one call
+        assert served.counts == {"gguf-int4": 120, "q8_0": 1} and served.fallbacks == ["lm_head (q8_0)"]
+        assert served.megabytes < 120 and served.fused_layers == 30
+    else:
+        assert served.counts == {"gguf-int4": 120, "float32": 1} and served.fallbacks == ["lm_head (float32)"]
     assert served.megabytes < 200  # against 538 MB in float32 (the head: 113 MB of it, the embedding's own)
     prompts = [pipe.encode(q) for q in ("What is the capital of France?", "Write a Python function that adds.")]
     params = SamplingParams(max_new_tokens=32)

@@ -1,0 +1,308 @@
+// GGUF weights times float32 activations on an AVX2 CPU. As llama.cpp does, each activation row is quantized in
+// blocks of 32 (one float scale per block) and each block's dot product taken in integers, then scaled in
+// float32; but to int16, not int8: for the same speed here (the work is unpacking the weights), answers that stay
+// the float32 model's (gguf_kernels.py). Built and loaded by gguf_kernels.py.
+//
+// A row's result depends on that row alone, summed in the same order whatever the number of rows or threads:
+// a verify block's rows are what decoding its tokens one by one gives, so speculation stays lossless.
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+#include <string.h>
+
+#define BLOCK 32
+#define TILE 4  // activation rows per pass over a weight row: each block is unpacked once for all of them
+
+static float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// x [rows, k] -> xq int16 [rows, k], xd [rows, k / 32] (x ~ xd * xq), xs [rows, k / 32] (each block's float sum)
+static void quantize_rows(const float *x, int64_t rows, int64_t k, int16_t *xq, float *xd, float *xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < rows * k / BLOCK; i++) {
+        const float *b = x + i * BLOCK;
+        __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(b + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            sum = _mm256_add_ps(sum, v[j]);
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float d = _mm_cvtss_f32(m) / 32767.0f;
+        const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m256i q[4];
+        for (int j = 0; j < 4; j++)
+            q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_ROUND_NEAREST));
+        // int32 -> int16: packs interleaves 128-bit lanes, permute them back into element order
+        for (int j = 0; j < 2; j++) {
+            const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * j], q[2 * j + 1]), 0xD8);
+            _mm256_storeu_si256((__m256i *)(xq + i * BLOCK + 16 * j), q16);
+        }
+        xd[i] = d;
+        xs[i] = hsum(sum);
+    }
+}
+
+// The sum over a block of 32 int16 weights (w0: elements 0..15, w1: 16..31) times int16 activations at x, as 8
+// int32 lanes in float (at most 32 * 127 * 32767 in magnitude: no overflow).
+static inline __m256 block_dot(__m256i w0, __m256i w1, const int16_t *x) {
+    const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
+    const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
+}
+
+// Q4_1: q uint8 [n, k / 2] (block b's 16 bytes hold element j in the low nibble, j + 16 in the high, as GGUF
+// stores them), d and m float32 [n, k / 32]; weight = d * q + m. y[r, o] = x[r] . weight[o] for `nr` rows from r0:
+// a constant after inlining, so that the accumulators stay in registers. scales [nr, blocks]: scratch.
+static inline __attribute__((always_inline)) void q4_1_tile(
+        const uint8_t *q, const float *d, const float *m, int64_t o, int64_t blocks, const int16_t *xq,
+        const float *xd, const float *xs, int64_t r0, const int nr, float *y, int64_t n, float *scales) {
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    const float *dw = d + o * blocks, *mw = m + o * blocks;
+    __m256 acc[TILE];
+    float mins[TILE];
+    for (int t = 0; t < nr; t++) {
+        const float *xd_t = xd + (r0 + t) * blocks, *xs_t = xs + (r0 + t) * blocks;
+        acc[t] = _mm256_setzero_ps(), mins[t] = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) scales[t * blocks + b] = dw[b] * xd_t[b], mins[t] += mw[b] * xs_t[b];
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + (o * blocks + b) * 16)));
+        const __m256i w0 = _mm256_and_si256(bytes, low), w1 = _mm256_srli_epi16(bytes, 4);
+        for (int t = 0; t < nr; t++) {
+            const int16_t *x = xq + ((r0 + t) * blocks + b) * BLOCK;
+            acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + t * blocks + b), block_dot(w0, w1, x), acc[t]);
+        }
+    }
+    for (int t = 0; t < nr; t++) y[(r0 + t) * n + o] = hsum(acc[t]) + mins[t];
+}
+
+// Q8_0: q int8 [n, k], d float32 [n, k / 32]; weight = d * q.
+static inline __attribute__((always_inline)) void q8_0_tile(
+        const int8_t *q, const float *d, int64_t o, int64_t blocks, const int16_t *xq, const float *xd,
+        int64_t r0, const int nr, float *y, int64_t n, float *scales) {
+    const float *dw = d + o * blocks;
+    __m256 acc[TILE];
+    for (int t = 0; t < nr; t++) {
+        acc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) scales[t * blocks + b] = dw[b] * xd[(r0 + t) * blocks + b];
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *w = q + (o * blocks + b) * BLOCK;
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)));
+        for (int t = 0; t < nr; t++) {
+            const int16_t *x = xq + ((r0 + t) * blocks + b) * BLOCK;
+            acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + t * blocks + b), block_dot(w0, w1, x), acc[t]);
+        }
+    }
+    for (int t = 0; t < nr; t++) y[(r0 + t) * n + o] = hsum(acc[t]);
+}
+
+#define TILES(call) \
+    switch (nr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); }
+
+// One entry point per format: quantize x once, then split the weight's rows across OpenMP threads (torch's own
+// libgomp, which is loaded first), each thread taking TILE activation rows per pass. 0 on success.
+static int matmul(int q4_1, const void *q, const float *d, const float *m, int64_t n, int64_t k,
+                  const float *x, int64_t rows, float *y) {
+    if (k % BLOCK) return 1;
+    int16_t *xq = malloc(sizeof(int16_t) * rows * k);
+    float *xd = malloc(sizeof(float) * rows * k / BLOCK), *xs = malloc(sizeof(float) * rows * k / BLOCK);
+    if (!xq || !xd || !xs) return free(xq), free(xd), free(xs), 2;
+    quantize_rows(x, rows, k, xq, xd, xs);
+    const int64_t chunk = 16;  // weight rows per task: a few KB of weights, whole cache lines
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < (n + chunk - 1) / chunk; c++) {
+        const int64_t n0 = c * chunk, n1 = n0 + chunk < n ? n0 + chunk : n;
+        float scales[TILE * (k / BLOCK)];
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            const int nr = rows - r0 < TILE ? rows - r0 : TILE;
+            for (int64_t o = n0; o < n1; o++) {
+#define Q4_1(rows_) q4_1_tile(q, d, m, o, k / BLOCK, xq, xd, xs, r0, rows_, y, n, scales)
+#define Q8_0(rows_) q8_0_tile(q, d, o, k / BLOCK, xq, xd, r0, rows_, y, n, scales)
+                if (q4_1) { TILES(Q4_1) } else { TILES(Q8_0) }
+            }
+        }
+    }
+    free(xq), free(xd), free(xs);
+    return 0;
+}
+
+int dflash_q4_1_matmul(const uint8_t *q, const float *d, const float *m, int64_t n, int64_t k,
+                       const float *x, int64_t rows, float *y) {
+    return matmul(1, q, d, m, n, k, x, rows, y);
+}
+
+int dflash_q8_0_matmul(const int8_t *q, const float *d, int64_t n, int64_t k, const float *x, int64_t rows,
+                       float *y) {
+    return matmul(0, q, d, NULL, n, k, x, rows, y);
+}
+
+// A Llama decoder layer on Q4_1 weights in one call instead of some fifty torch operations, whose dispatch cost
+// more than the arithmetic at decoding's few rows. Norms, attention and the activation in float32.
+typedef struct {
+    const uint8_t *q;
+    const float *d, *m;
+} q4_1_weight;
+
+static void rms_norm(const float *x, const float *w, float eps, int64_t rows, int64_t dim, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        __m256 ss = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        float sum = hsum(ss);
+        for (; i < dim; i++) sum += xr[i] * xr[i];
+        const float scale = 1.0f / sqrtf(sum / dim + eps);
+        for (i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * scale);
+    }
+}
+
+// HF's rotate-half rotary embedding of `heads` heads of head_dim at x (row stride `stride`); cos, sin
+// [rows, head_dim].
+static void rope(float *x, int64_t rows, int64_t stride, int heads, int head_dim, const float *cos,
+                 const float *sin) {
+    const int half = head_dim / 2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++) {
+            float *v = x + r * stride + h * head_dim;
+            const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+            for (int i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+}
+
+// A layer's weights and shape, set once when the layer is served (LlamaLayerKernels).
+typedef struct {
+    q4_1_weight qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;
+    float eps;
+    int64_t hidden, intermediate;
+    int32_t heads, kv_heads, head_dim;
+} llama_layer;
+
+// One pass's attention inputs: rows = batch * tokens, a token's key j visible to it where visible[b, t, j]
+// (NULL: a causal pass from position 0, j <= t), keys read from the paged cache (kv_cache.py's layout: a
+// layer's k and v [blocks, block_size, kv_heads, head_dim], a sequence's blocks in table [batch, width]).
+typedef struct {
+    int64_t batch, tokens, length, block_size, table_width;
+    const int64_t *positions, *table;
+    const uint8_t *visible;
+    const float *cos, *sin;  // [rows, head_dim]
+} llama_pass;
+
+static float *cache_row(float *cache, const llama_pass *p, const llama_layer *l, int64_t b, int64_t position,
+                        int kv_head) {
+    const int64_t block = p->table[b * p->table_width + position / p->block_size];
+    return cache + ((block * p->block_size + position % p->block_size) * l->kv_heads + kv_head) * l->head_dim;
+}
+
+// softmax(q k^T / sqrt(D)) v over each token's visible keys, one (token, head) per task. Each sum runs over
+// the visible keys in position order whatever the pass's shape, so a token's output does not depend on how many
+// tokens or sequences share its pass: float32 suffices where torch's attention needed float64 (cpu_weights).
+static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_pass *p, const llama_layer *l,
+                  float *out) {
+    const int64_t rows = p->batch * p->tokens, width = (int64_t)(l->heads + 2 * l->kv_heads) * l->head_dim;
+    const int d = l->head_dim, group = l->heads / l->kv_heads;
+    const float scale = 1.0f / sqrtf((float)d);
+    const int64_t capacity = p->table_width * p->block_size;
+    if (p->length > capacity) return 3;
+    for (int64_t r = 0; r < rows; r++)
+        if (p->positions[r] < 0 || p->positions[r] >= capacity) return 3;
+    for (int64_t r = 0; r < rows; r++)  // the new keys and values first: the pass's tokens see each other
+        for (int h = 0; h < l->kv_heads; h++) {
+            const float *k = qkv + r * width + (int64_t)(l->heads + h) * d, *v = k + (int64_t)l->kv_heads * d;
+            memcpy(cache_row(k_cache, p, l, r / p->tokens, p->positions[r], h), k, sizeof(float) * d);
+            memcpy(cache_row(v_cache, p, l, r / p->tokens, p->positions[r], h), v, sizeof(float) * d);
+        }
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * p->length), *acc = malloc(sizeof(float) * d);
+        if (!scores || !acc) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * l->heads; task++) {
+            if (!scores || !acc) continue;
+            const int64_t r = task / l->heads, b = r / p->tokens, t = r % p->tokens;
+            const int h = task % l->heads, kv_head = h / group;
+            const float *q = qkv + r * width + (int64_t)h * d;
+            const uint8_t *visible = p->visible ? p->visible + r * p->length : NULL;
+            const int64_t keys = p->visible ? p->length : t + 1;
+            float top = -INFINITY;
+            for (int64_t j = 0; j < keys; j++) {
+                if (visible && !visible[j]) continue;
+                const float *k = cache_row(k_cache, p, l, b, j, kv_head);
+                __m256 dot = _mm256_setzero_ps();
+                for (int i = 0; i < d; i += 8) dot = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), dot);
+                scores[j] = hsum(dot) * scale;
+                top = scores[j] > top ? scores[j] : top;
+            }
+            float total = 0.0f;
+            memset(acc, 0, sizeof(float) * d);
+            for (int64_t j = 0; j < keys; j++) {
+                if (visible && !visible[j]) continue;
+                const float weight = expf(scores[j] - top);
+                const float *v = cache_row(v_cache, p, l, b, j, kv_head);
+                total += weight;
+                for (int i = 0; i < d; i++) acc[i] += weight * v[i];
+            }
+            float *o = out + r * (int64_t)l->heads * d + (int64_t)h * d;
+            for (int i = 0; i < d; i++) o[i] = total > 0.0f ? acc[i] / total : 0.0f;
+        }
+        free(scores), free(acc);
+    }
+    return failed ? 2 : 0;
+}
+
+// h_out [rows, hidden] = the layer applied to h [rows, hidden], writing the pass's keys and values into the
+// layer's k_cache and v_cache.
+int dflash_llama_layer(const llama_layer *l, const llama_pass *p, const float *h, float *h_out, float *k_cache,
+                       float *v_cache) {
+    const int64_t rows = p->batch * p->tokens, hidden = l->hidden, inter = l->intermediate;
+    const int64_t width = (int64_t)(l->heads + 2 * l->kv_heads) * l->head_dim, attn_width = (int64_t)l->heads * l->head_dim;
+    if (l->head_dim % 8) return 1;
+    float *scratch = malloc(sizeof(float) * rows * (hidden + width + attn_width + 3 * inter));
+    if (!scratch) return 2;
+    float *normed = scratch, *qkv = normed + rows * hidden, *attention = qkv + rows * width;
+    float *gate_up = attention + rows * attn_width, *act = gate_up + rows * 2 * inter;
+    rms_norm(h, l->input_norm, l->eps, rows, hidden, normed);
+    int status = matmul(1, l->qkv.q, l->qkv.d, l->qkv.m, width, hidden, normed, rows, qkv);
+    if (!status) {
+        rope(qkv, rows, width, l->heads, l->head_dim, p->cos, p->sin);
+        rope(qkv + attn_width, rows, width, l->kv_heads, l->head_dim, p->cos, p->sin);
+        status = attend(qkv, k_cache, v_cache, p, l, attention);
+    }
+    if (!status) status = matmul(1, l->o.q, l->o.d, l->o.m, hidden, attn_width, attention, rows, normed);
+    if (!status) {
+        for (int64_t i = 0; i < rows * hidden; i++) h_out[i] = h[i] + normed[i];
+        rms_norm(h_out, l->post_norm, l->eps, rows, hidden, normed);
+        status = matmul(1, l->gate_up.q, l->gate_up.d, l->gate_up.m, 2 * inter, hidden, normed, rows, gate_up);
+    }
+    if (!status) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < inter; i++) {
+                const float g = gate_up[r * 2 * inter + i], u = gate_up[r * 2 * inter + inter + i];
+                act[r * inter + i] = g / (1.0f + expf(-g)) * u;
+            }
+        status = matmul(1, l->down.q, l->down.d, l->down.m, hidden, inter, act, rows, normed);
+    }
+    if (!status)
+        for (int64_t i = 0; i < rows * hidden; i++) h_out[i] += normed[i];
+    free(scratch);
+    return status;
+}

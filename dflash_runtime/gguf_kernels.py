@@ -1,0 +1,201 @@
+"""GGUF blocks times float32 activations on an AVX2 CPU (gguf_kernels.c), and a Llama layer around them.
+
+torch's int4 kernel reads the same 4-bit weights but is vectorized for bfloat16 activations only and ran a
+decode step's linears 1.3-1.6x slower than these on an AVX2 host; it has no Q8_0 kernel, so the head was served
+in float32, 113 MB read per token for SmolLM2. Here each activation row is quantized per block of 32 to int16
+(llama.cpp quantizes to int8: on SmolLM2 that agreed with the float32 model's greedy answers on 94.9% of tokens,
+perplexity +0.3%; int16 on 99.9%, +0.0%, at the same speed) and each block's dot product is taken in integers;
+Q4_1's minimum times the block's float sum of x. Float32 in and out, the output head included. A row's result
+depends on that row alone, summed in one order whatever the rows or threads: a verify block's rows equal decoding
+its tokens one by one, so speculation stays lossless.
+
+At decoding's few rows a layer's ~50 torch operations cost more than its arithmetic, so a Llama layer whose
+linears are all Q4_1 runs as one call (LlamaLayerKernels): norms, q/k/v, rotary, the KV-cache write, attention
+over the paged cache, the output projection, the MLP. Its attention sums each token's visible keys in position
+order, again whatever the pass's shape, in float32.
+
+The C source is compiled once per host and compiler (`cc`, or $CC) into cache_root()/kernels, and loaded with
+ctypes: a second's build. Its libgomp.so.1 is torch's, loaded first under that soname, so the kernels run on
+torch's OpenMP threads, as many as torch.set_num_threads says. Hosts without AVX2, FMA and F16C, or without a
+compiler, get None from library() with the reason, and cpu_weights serves torch's kernel instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .gguf_blocks import Q4_1_GROUP
+
+SOURCE = Path(__file__).with_name("gguf_kernels.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+@functools.cache
+def library() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded kernels, "") or (None, why not)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"no AVX2 kernels for {platform.machine()}"
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None, "cannot read /proc/cpuinfo's CPU flags"
+    missing = [f for f in CPU_FLAGS if f not in flags.split()]
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}"
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None, f"no C compiler ({os.environ.get('CC', 'cc')}) to build {SOURCE.name}"
+    try:
+        path = build(compiler)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        return None, f"{compiler} could not build {SOURCE.name}: {detail.strip()[-300:]}"
+    lib = ctypes.CDLL(str(path))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.dflash_q4_1_matmul.argtypes = [pointer, pointer, pointer, size, size, pointer, size, pointer]
+    lib.dflash_q8_0_matmul.argtypes = [pointer, pointer, size, size, pointer, size, pointer]
+    lib.dflash_llama_layer.argtypes = [ctypes.POINTER(LlamaLayer), ctypes.POINTER(LlamaPass), pointer, pointer,
+                                       pointer, pointer]
+    return lib, ""
+
+
+class Q4_1Weight(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
+
+
+def build(compiler: str) -> Path:
+    """The shared library for this source, flags and compiler, built once (atomically: several processes may)."""
+    from .checkpoint import cache_root
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"gguf_kernels-{key}.so"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    subprocess.run([compiler, *FLAGS, str(SOURCE), "-lm", "-o", str(partial)], capture_output=True, text=True,
+                   check=True)
+    partial.replace(path)
+    return path
+
+
+def packed_q4_1(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15 -> [N, K / 2] with each block's element j in the low nibble of byte j and element
+    j + 16 in the high one, as GGUF stores a block and the kernel reads it."""
+    rows, k = q.shape
+    blocks = q.view(rows, k // Q4_1_GROUP, Q4_1_GROUP)
+    return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(rows, k // 2).contiguous()
+
+
+class GGUFLinear(nn.Module):
+    """A frozen linear on its GGUF blocks: Q4_1 fields (q, d, m) or Q8_0 fields (q, d), as load_blocks gives
+    them; float32 in and out."""
+
+    def __init__(self, fields: tuple[torch.Tensor, ...], bias: torch.Tensor | None):
+        super().__init__()
+        self.kind = "q4_1" if len(fields) == 3 else "q8_0"
+        q = packed_q4_1(fields[0]) if self.kind == "q4_1" else fields[0].contiguous()
+        self.tensors = (q, *(f.float().contiguous() for f in fields[1:]))
+        self.out_features, self.in_features = fields[0].shape
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib, _ = library()
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.empty(len(rows), self.out_features)
+        matmul = lib.dflash_q4_1_matmul if self.kind == "q4_1" else lib.dflash_q8_0_matmul
+        call(matmul, *(t.data_ptr() for t in self.tensors), self.out_features, self.in_features, rows.data_ptr(),
+             len(rows), y.data_ptr())
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+class LlamaLayer(ctypes.Structure):
+    """gguf_kernels.c's llama_layer: a layer's weights and shape."""
+    _fields_ = [("qkv", Q4_1Weight), ("o", Q4_1Weight), ("gate_up", Q4_1Weight), ("down", Q4_1Weight),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("heads", ctypes.c_int32),
+                ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32)]
+
+
+class LlamaPass(ctypes.Structure):
+    """gguf_kernels.c's llama_pass: what every layer of one forward pass shares."""
+    _fields_ = [("batch", ctypes.c_int64), ("tokens", ctypes.c_int64), ("length", ctypes.c_int64),
+                ("block_size", ctypes.c_int64), ("table_width", ctypes.c_int64), ("positions", ctypes.c_void_p),
+                ("table", ctypes.c_void_p), ("visible", ctypes.c_void_p), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, table: torch.Tensor, length: int, visible: torch.Tensor | None,
+           cos: torch.Tensor, sin: torch.Tensor, block_size: int) -> "LlamaPass":
+        """positions [B, T], table [B, W], visible [B, 1, T, L] or None (a causal pass), cos/sin [B, T, 1, D],
+        as TargetModel.forward has them."""
+        batch, tokens = positions.shape
+        held = [positions.contiguous(), table.contiguous(), cos.float().contiguous(), sin.float().contiguous()]
+        if visible is not None:
+            held.append(visible.expand(batch, 1, tokens, length).contiguous().view(torch.uint8))
+        this = cls(batch, tokens, length, block_size, table.shape[1], held[0].data_ptr(), held[1].data_ptr(),
+                   held[4].data_ptr() if visible is not None else None, held[2].data_ptr(), held[3].data_ptr())
+        this.held = held  # the tensors behind the pointers live as long as the pass
+        return this
+
+
+class LlamaLayerKernels:
+    """A Llama decoder layer in one kernel call (gguf_kernels.c's dflash_llama_layer), for a layer whose linears
+    are all Q4_1 GGUFLinears with no bias and no per-head norms (fits)."""
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = layer.input_layernorm, layer.post_attention_layernorm
+        self.layer = LlamaLayer(weight(attn.qkv), weight(attn.o_proj), weight(mlp.gate_up), weight(mlp.down_proj),
+                                norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps,
+                                attn.o_proj.out_features, mlp.down_proj.in_features, attn.num_heads,
+                                attn.num_kv_heads, attn.head_dim)
+        self.modules = layer  # whose tensors the pointers address
+        if norms[0].eps != norms[1].eps:
+            raise ValueError("the layer's two norms differ in eps")
+
+    @staticmethod
+    def fits(layer: nn.Module) -> bool:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
+        return (attn.q_norm is None and attn.head_dim % 8 == 0
+                and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+                and all(isinstance(l, GGUFLinear) and l.kind == "q4_1" and l.bias is None for l in linears))
+
+    def __call__(self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, llama_pass: LlamaPass):
+        """h [B, T, hidden] -> the layer's output; the pass's keys and values written to this layer's caches
+        ([blocks, block_size, KV, D] each, float32)."""
+        h = h.float().contiguous()
+        out = torch.empty_like(h)
+        status = library()[0].dflash_llama_layer(ctypes.byref(self.layer), ctypes.byref(llama_pass), h.data_ptr(),
+                                                 out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+        if status == 3:
+            raise IndexError(f"KV cache access beyond the table's {llama_pass.table_width * llama_pass.block_size} "
+                             "positions")
+        if status:
+            raise RuntimeError("dflash_llama_layer: out of memory")
+        return out
+
+
+def weight(linear: GGUFLinear) -> Q4_1Weight:
+    return Q4_1Weight(*(t.data_ptr() for t in linear.tensors))
+
+
+def call(function, *args) -> None:
+    if function(*args):
+        raise RuntimeError(f"{function.__name__} failed (out of memory, or a width not a multiple of 32)")
