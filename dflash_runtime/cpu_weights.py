@@ -13,8 +13,8 @@ what it reads. Formats:
              on bfloat16 activations.
   float32    as loaded (cpu_linears may still split it across threads).
 torch's kernels are vectorized for bfloat16 activations only (../shared/DESIGN.md §8), so a linear on them takes
-float32 in, runs on bfloat16 and gives float32 back. Norms, softmax and sampling stay float32; attention on torch runs in
-float64 for the low-bit formats (attention_dtype). A head on torch's kernels would return bfloat16, whose
+float32 in, runs on bfloat16 and gives float32 back. Norms, softmax and sampling stay float32; attention on torch
+runs in float64 for the low-bit formats (attention_dtype). A head on torch's kernels would return bfloat16, whose
 resolution near the largest logits (0.125 at 25) rounded "The" and "L" after "What is the capital of France?" to
 the same 25.25: without the GGUF kernels the head stays float32 (for the embedded default: its Q8_0 embedding,
 dequantized, so still the shipped weights).

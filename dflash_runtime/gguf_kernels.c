@@ -50,6 +50,23 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int16_t *xq, 
     }
 }
 
+// a . b over n floats: 8 lanes, then the tail (one order whatever calls it)
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float sum = hsum(acc);
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+// out[i] = a[i] * b[i] over n floats
+static inline void products(const float *a, const float *b, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    for (; i < n; i++) out[i] = a[i] * b[i];
+}
+
 // The sum over a block of 32 int16 weights (w0: elements 0..15, w1: 16..31) times int16 activations at x, as 8
 // int32 lanes in float (at most 32 * 127 * 32767 in magnitude: no overflow).
 static inline __m256 block_dot(__m256i w0, __m256i w1, const int16_t *x) {
@@ -69,9 +86,9 @@ static inline __attribute__((always_inline)) void q4_1_tile(
     __m256 acc[TILE];
     float mins[TILE];
     for (int t = 0; t < nr; t++) {
-        const float *xd_t = xd + (r0 + t) * blocks, *xs_t = xs + (r0 + t) * blocks;
-        acc[t] = _mm256_setzero_ps(), mins[t] = 0.0f;
-        for (int64_t b = 0; b < blocks; b++) scales[t * blocks + b] = dw[b] * xd_t[b], mins[t] += mw[b] * xs_t[b];
+        acc[t] = _mm256_setzero_ps();
+        products(dw, xd + (r0 + t) * blocks, blocks, scales + t * blocks);
+        mins[t] = dot(mw, xs + (r0 + t) * blocks, blocks);
     }
     for (int64_t b = 0; b < blocks; b++) {
         const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + (o * blocks + b) * 16)));
@@ -92,7 +109,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(
     __m256 acc[TILE];
     for (int t = 0; t < nr; t++) {
         acc[t] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b++) scales[t * blocks + b] = dw[b] * xd[(r0 + t) * blocks + b];
+        products(dw, xd + (r0 + t) * blocks, blocks, scales + t * blocks);
     }
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *w = q + (o * blocks + b) * BLOCK;
@@ -157,16 +174,8 @@ static void rms_norm(const float *x, const float *w, float eps, int64_t rows, in
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *o = out + r * dim;
-        __m256 ss = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= dim; i += 8) {
-            const __m256 v = _mm256_loadu_ps(xr + i);
-            ss = _mm256_fmadd_ps(v, v, ss);
-        }
-        float sum = hsum(ss);
-        for (; i < dim; i++) sum += xr[i] * xr[i];
-        const float scale = 1.0f / sqrtf(sum / dim + eps);
-        for (i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * scale);
+        const float scale = 1.0f / sqrtf(dot(xr, xr, dim) / dim + eps);
+        for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * scale);
     }
 }
 
@@ -246,10 +255,7 @@ static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_
             float top = -INFINITY;
             for (int64_t j = 0; j < keys; j++) {
                 if (visible && !visible[j]) continue;
-                const float *k = cache_row(k_cache, p, l, b, j, kv_head);
-                __m256 dot = _mm256_setzero_ps();
-                for (int i = 0; i < d; i += 8) dot = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), dot);
-                scores[j] = hsum(dot) * scale;
+                scores[j] = dot(q, cache_row(k_cache, p, l, b, j, kv_head), d) * scale;
                 top = scores[j] > top ? scores[j] : top;
             }
             float total = 0.0f;
@@ -274,7 +280,7 @@ static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_
 int dflash_llama_layer(const llama_layer *l, const llama_pass *p, const float *h, float *h_out, float *k_cache,
                        float *v_cache) {
     const int64_t rows = p->batch * p->tokens, hidden = l->hidden, inter = l->intermediate;
-    const int64_t width = (int64_t)(l->heads + 2 * l->kv_heads) * l->head_dim, attn_width = (int64_t)l->heads * l->head_dim;
+    const int64_t attn_width = (int64_t)l->heads * l->head_dim, width = attn_width + 2 * l->kv_heads * l->head_dim;
     if (l->head_dim % 8) return 1;
     float *scratch = malloc(sizeof(float) * rows * (hidden + width + attn_width + 3 * inter));
     if (!scratch) return 2;

@@ -155,8 +155,8 @@ class LlamaPass(ctypes.Structure):
 
 
 class LlamaLayerKernels:
-    """A Llama decoder layer in one kernel call (gguf_kernels.c's dflash_llama_layer), for a layer whose linears
-    are all Q4_1 GGUFLinears with no bias and no per-head norms (fits)."""
+    """A Llama decoder layer in one kernel call (gguf_kernels.c's dflash_llama_layer), for a layer that fits. The
+    pointers address the layer's own tensors, which the model keeps."""
 
     def __init__(self, layer: nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
@@ -165,15 +165,13 @@ class LlamaLayerKernels:
                                 norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps,
                                 attn.o_proj.out_features, mlp.down_proj.in_features, attn.num_heads,
                                 attn.num_kv_heads, attn.head_dim)
-        self.modules = layer  # whose tensors the pointers address
-        if norms[0].eps != norms[1].eps:
-            raise ValueError("the layer's two norms differ in eps")
 
     @staticmethod
     def fits(layer: nn.Module) -> bool:
+        """Its linears all Q4_1 GGUFLinears without bias, no per-head norms, float32 (its KV cache's dtype)."""
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
-        return (attn.q_norm is None and attn.head_dim % 8 == 0
+        return (attn.q_norm is None and attn.head_dim % 8 == 0 and layer.input_layernorm.weight.dtype == torch.float32
                 and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
                 and all(isinstance(l, GGUFLinear) and l.kind == "q4_1" and l.bias is None for l in linears))
 
