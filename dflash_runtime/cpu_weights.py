@@ -32,6 +32,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -240,9 +241,13 @@ def measured_timings(model: nn.Module, options: list[str], blocks: dict) -> dict
 
 
 def model_key(model: nn.Module) -> str:
+    """The model's shapes and the kernels that would serve it: timings made with other kernels are stale."""
     shapes = [f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in model.modules()
               if type(m) is nn.Linear and not is_fused_part(m)]
-    return f"{len(shapes)} linears {' '.join(sorted(set(shapes)))} {model.lm_head.weight.dtype}".replace("torch.", "")
+    lib = library()[0]
+    kernels = Path(lib._name).stem if lib is not None else "torch kernels"
+    return (f"{len(shapes)} linears {' '.join(sorted(set(shapes)))} {model.lm_head.weight.dtype} "
+            f"{kernels}").replace("torch.", "")
 
 
 def time_format(model: nn.Module, fmt: str, blocks: dict, rounds: int = 3) -> list[float]:
