@@ -300,6 +300,7 @@ int dflash_llama_layer(const llama_layer *l, const llama_pass *p, const float *h
         status = matmul(1, l->gate_up.q, l->gate_up.d, l->gate_up.m, 2 * inter, hidden, normed, rows, gate_up);
     }
     if (!status) {
+#pragma omp parallel for schedule(static) if (rows > 1)  // a prefill's SiLU: a scalar expf per element
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < inter; i++) {
                 const float g = gate_up[r * 2 * inter + i], u = gate_up[r * 2 * inter + inter + i];
