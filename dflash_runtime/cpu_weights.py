@@ -5,7 +5,7 @@ what it reads. Formats:
   gguf-int4  the GGUF's own blocks (gguf_blocks.py): its Q4_1 projections and, where the GGUF has one, its Q8_0
              head, on gguf_kernels.py's AVX2 kernels wherever they build (activations quantized to int16 per
              block of 32, float32 out; a Llama layer in one call): the shipped model, not a dequantized copy,
-             its greedy answers the float32 model's on 99.9% of tokens for SmolLM2. Elsewhere
+             its greedy answers the float32 model's on 99.97% of tokens for SmolLM2. Elsewhere
              the projections run on torch's `_weight_int4pack_mm_for_cpu` (groups of 32, bfloat16 activations:
              w = (q - 8) * scale + zero, scale = d, zero = m + 8d rounded to bfloat16) and the head in float32.
              A projection stored otherwise falls back to int8, named in the summary.
@@ -155,7 +155,7 @@ class ServedWeights:
     fallbacks: list[str] = field(default_factory=list)  # linears not in the chosen format, and theirs (the head)
     megabytes: float = 0.0
     kernel: str = "torch"
-    fused_layers: int = 0  # layers run as two kernel calls around their attention (LlamaLayerKernels)
+    fused_layers: int = 0  # layers run as one kernel call (LlamaLayerKernels)
 
     def describe(self) -> str:
         counts = ", ".join(f"{n} {fmt}" for fmt, n in self.counts.items())

@@ -9,9 +9,9 @@ from torch import nn
 
 from . import cpu_weights
 from .checkpoint import load_weights, read_safetensors
+from .config import TargetConfig
 from .gguf_blocks import load_blocks
 from .gguf_kernels import LlamaPass
-from .config import TargetConfig
 from .kv_cache import BLOCK_SIZE, KVCache
 from .layers import MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference
 
@@ -24,8 +24,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(s.hidden_size, s.intermediate_size)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.kernels = None  # gguf_kernels.LlamaLayerKernels, where cpu_weights serves the layer on them (forward
-        # is then not called: TargetModel.forward calls the kernels)
+        # gguf_kernels.LlamaLayerKernels where cpu_weights serves the layer on them; TargetModel.forward then calls
+        # those instead of forward
+        self.kernels = None
 
     def forward(self, h, cos, sin, keys_values: KeysValues, mask: AttentionMask):
         attn = self.self_attn
