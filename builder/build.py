@@ -331,6 +331,8 @@ def build(opts: BuildOptions, output: Path, force: bool = False) -> dict:
     try:
         with partial_folder(output) as stage:  # removed on any error or interruption, unless published
             manifest = _build_into(stage, output, inputs, opts, hashes, key, started, force)
+            if _stopped_by:  # a stop whose KeyboardInterrupt Python swallowed (_unraisable)
+                raise KeyboardInterrupt
             publish(stage, output)
         for kept in kept_quantizations(output):  # the build holds its quantized target now
             shutil.rmtree(kept, ignore_errors=True)
@@ -565,6 +567,13 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
+def _unraisable(info) -> None:
+    """A stop signal that lands in a __del__ (regex's Group.__del__, seen in a test run) raises there, and Python
+    prints that KeyboardInterrupt as a traceback and goes on: quiet here, since build() stops before publishing."""
+    if not (_stopped_by and isinstance(info.exc_value, KeyboardInterrupt)):
+        sys.__unraisablehook__(info)
+
+
 def _import_native_extensions() -> None:
     """Import now what a build would import lazily from nanobind extensions (triton, under torch._dynamo, which the
     first model made on the meta device loads; xgrammar): a stop signal raised inside such an import ends the
@@ -581,10 +590,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _import_native_extensions()
     previous = {signum: signal.signal(signum, _interrupted) for signum in STOP_SIGNALS}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     _stopped_by.clear()
     try:
         return _run(args)
     finally:
+        sys.unraisablehook = previous_hook
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
