@@ -116,8 +116,9 @@ class GGUFLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(len(rows), self.out_features)
         matmul = lib.dflash_q4_1_matmul if self.kind == "q4_1" else lib.dflash_q8_0_matmul
-        call(matmul, *(t.data_ptr() for t in self.tensors), self.out_features, self.in_features, rows.data_ptr(),
-             len(rows), y.data_ptr())
+        if matmul(*(t.data_ptr() for t in self.tensors), self.out_features, self.in_features, rows.data_ptr(),
+                  len(rows), y.data_ptr()):
+            raise RuntimeError(f"{matmul.__name__}: out of memory")
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -194,7 +195,3 @@ class LlamaLayerKernels:
 def weight(linear: GGUFLinear) -> Q4_1Weight:
     return Q4_1Weight(*(t.data_ptr() for t in linear.tensors))
 
-
-def call(function, *args) -> None:
-    if function(*args):
-        raise RuntimeError(f"{function.__name__} failed (out of memory, or a width not a multiple of 32)")

@@ -30,7 +30,8 @@ def weights_quality(target_dir, fmt: str, prompts: int, tokens: int, texts: int,
     from dflash_runtime.text import load_tokenizer
 
     reference = load_target(target_dir, cpu_weights="float32")
-    served = served or load_target(target_dir, cpu_weights=fmt)
+    if served is None:
+        served = load_target(target_dir, cpu_weights=fmt)
     held_texts, held_prompts = heldout_set(load_tokenizer(target_dir), texts, 512, prompts)
     engine = SpeculativeEngine(reference, None, block_size=1, max_batch_size=8)
     answers = engine.generate(held_prompts, SamplingParams(max_new_tokens=tokens))
