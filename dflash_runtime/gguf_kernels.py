@@ -4,11 +4,11 @@ torch's int4 kernel reads the same 4-bit weights but is vectorized for bfloat16 
 decode step's linears 1.3-1.6x slower than these on an AVX2 host; it has no Q8_0 kernel, so the head was served
 in float32, 113 MB read per token for SmolLM2. Here each activation row is quantized per block of 32 to int16
 (llama.cpp quantizes to int8: on SmolLM2 that agreed with the float32 model's greedy answers on 94.9% of tokens,
-perplexity +0.3%; int16 on 99.97%, +0.0%, at the same decoding speed, though prompts cost twice llama.cpp's
-multiplies) and each block's dot product is taken in integers; Q4_1's minimum times the block's float sum of x.
-Float32 in and out, the output head included. A row's result depends on that row alone, summed in one order
-whatever the rows or threads: a verify block's rows equal decoding its tokens one by one, so speculation stays
-lossless, and a token's keys and values are the same whether a prompt or decoding computed them.
+perplexity +0.3%; int16 on 99.97%, +0.0%, at the same speed: a block's 32 products take two vpmaddwd here,
+vpmaddubsw and vpmaddwd there) and each block's dot product is taken in integers; Q4_1's minimum times the block's
+float sum of x. Float32 in and out, the output head included. A row's result depends on that row alone, summed in
+one order whatever the rows or threads: a verify block's rows equal decoding its tokens one by one, so speculation
+stays lossless, and a token's keys and values are the same whether a prompt or decoding computed them.
 
 At decoding's few rows a layer's ~50 torch operations cost more than its arithmetic, so a Llama layer whose
 linears are all Q4_1 runs as one call (LlamaLayerKernels): norms, q/k/v, rotary, the KV-cache write, attention
