@@ -27,8 +27,11 @@ DATA = ["--max-new-tokens", "6", "--batch-size", "2", "--max-prompt-tokens", "64
 
 def launch(module: str, args: list[str], ranks: int) -> subprocess.CompletedProcess:
     """`python -m module args` as one process, or under torchrun with `ranks` processes (gloo on this CPU); one
-    torch thread per process: the 2 cores are shared."""
+    torch thread per process: the 2 cores are shared. The trainer runs without the suite's DFLASH_CPU_WEIGHTS, as
+    from a user's shell: its target's format is its own (train_drafter.TRAINING_CPU_WEIGHTS)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if module == "dflash_training.train_drafter":
+        del env["DFLASH_CPU_WEIGHTS"]
     command = [sys.executable, "-m", module, *args] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
         "-m", module, *args]
