@@ -73,20 +73,26 @@ class DFlashDrafter(nn.Module):
                            self.rotary.inverse_frequencies(context.device), positions, attn.k_norm.eps)
 
     def inject_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                       table: torch.Tensor) -> None:
+                       table: torch.Tensor, max_tokens: int | None = None) -> None:
         """KV injection: write the context K/V of target features at their absolute positions.
 
         features: [B, T, len(target_layer_ids) * hidden]; positions: [B, T]; table: [B, W], each row's blocks.
         Which of the T positions are real context is the caller's to know (attention reads by position).
+        max_tokens: the most B * T positions one call of the op gets (more are written in parts): on CUDA the op
+        times its kernel once per token bucket, and a bucket never timed before is a stall mid-serving.
         """
         context = self.context(features).flatten(0, 1)  # [B * T, hidden]
         blocks, _ = cache.locate(table, positions)
         token_positions, token_blocks = positions.flatten(), blocks.flatten()  # contiguous: the kernel reads them with unit stride
         inv_freq = self.rotary.inverse_frequencies(context.device)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            kv_injection(context, attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight, inv_freq,
-                         token_positions, token_blocks, *cache.injection_views(i), attn.k_norm.eps)
+        part = max_tokens or len(context)
+        for start in range(0, len(context), part):  # row slices of contiguous tensors stay contiguous
+            end = start + part
+            for i, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                kv_injection(context[start:end], attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight,
+                             inv_freq, token_positions[start:end], token_blocks[start:end], *cache.injection_views(i),
+                             attn.k_norm.eps)
 
     def draft(self, h: torch.Tensor, positions: torch.Tensor, keys_values: Callable[[int], KeysValues],
               visible: torch.Tensor) -> torch.Tensor:

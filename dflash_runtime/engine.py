@@ -166,6 +166,10 @@ class SpeculativeEngine:
         self.static_shapes = static_shapes
         self.graphs = StepGraphs(capture=static_shapes and on_cuda)
         self.offsets = torch.arange(block_size, device=self.device)  # positions within a block
+        # the most positions one KV-injection call gets (a prefill's padded rows are more): the op's token buckets
+        # up to it are timed at start-up (_time_kv_injection)
+        most = max(self.max_context, max_batch_size * max(block_size, MAX_PENDING_CONTEXT))
+        self.injection_tokens = 1 << (most - 1).bit_length()
         adaptive = adaptive and self.drafter is not None
         self.verify_lengths = doubling(block_size) if adaptive else (block_size,)  # the k a step may verify
         self.policy = None
@@ -341,7 +345,7 @@ class SpeculativeEngine:
                                        logits_at=self._to_device([w - 1 for w in widths]), length=max(starts) + width,
                                        causal=not any(starts) and min(widths) == width)  # whole prompts alike
         if self.drafter is not None:
-            self.drafter.inject_context(features, positions, self.draft_cache, table)
+            self.drafter.inject_context(features, positions, self.draft_cache, table, self.injection_tokens)
         clock.mark()
         firsts = []
         for row, (seq, end) in enumerate(parts):
@@ -454,8 +458,7 @@ class SpeculativeEngine:
         if self.drafter is None:
             return
         width = len(self.feature_layers) * self.target.config.shape.hidden_size
-        most = max(self.max_context, self.scheduler.num_slots * max(self.block_size, MAX_PENDING_CONTEXT))
-        for n in doubling(1 << (most - 1).bit_length()):
+        for n in doubling(self.injection_tokens):
             features = torch.zeros((1, n, width), dtype=self.target.dtype, device=self.device)
             positions = torch.arange(n, device=self.device)[None]
             self.drafter.inject_context(features, positions, self.draft_cache, self._tables([None], n))
@@ -602,7 +605,7 @@ class SpeculativeEngine:
         if self.drafter is None:
             return
         if deferred is None:
-            self.drafter.inject_context(features, positions, self.draft_cache, table)
+            self.drafter.inject_context(features, positions, self.draft_cache, table, self.injection_tokens)
             return
         for seq, row in deferred:
             self.pending_context.setdefault(seq, []).append((features[row, 0].clone(), positions[row, 0]))
@@ -620,7 +623,7 @@ class SpeculativeEngine:
         features = torch.stack([torch.stack([f for f, _ in entries]) for entries in padded])
         positions = torch.stack([torch.stack([p for _, p in entries]) for entries in padded])
         table = self._tables([s for s, _ in rows], max(s.num_tokens for s, _ in rows))
-        self.drafter.inject_context(features, positions, self.draft_cache, table)
+        self.drafter.inject_context(features, positions, self.draft_cache, table, self.injection_tokens)
 
     def _cacheable(self, seq: Sequence) -> int:
         """Tokens of `seq` whose target K/V and drafter context are both written."""

@@ -108,21 +108,23 @@ def test_a_step_that_stalled_on_a_capture_teaches_the_cost_model_nothing(tiny):
 
 def test_the_kv_injection_op_is_timed_at_start_up_for_every_token_count_served(tiny):
     """On CUDA the op times its kernel against the reference once per token bucket, a stall; the engine makes
-    those timings when it starts, for every bucket that prefills, steps and deferred context then bring."""
+    those timings when it starts, for every bucket that prefills, steps and deferred context then bring. Two long
+    prompts prefilled in one pass (2 x 190 positions, past the largest bucket timed: 256) are injected in parts."""
     from dflash_runtime.kv_injection.op import token_bucket
     from test_verify_length import mixed_requests
 
+    from dflash_runtime import drafter as drafter_module
+
     target, drafter = load_pair(tiny)
     engine = SpeculativeEngine(target, drafter, max_batch_size=3, static_shapes=True, max_context=200)
-    counts, inject = [], drafter.inject_context
-    drafter.inject_context = lambda features, *rest: counts.append(features.shape[0] * features.shape[1]) or inject(
-        features, *rest)
+    counts, op = [], drafter_module.kv_injection
+    drafter_module.kv_injection = lambda context, *rest: counts.append(len(context)) or op(context, *rest)
     try:
         engine._time_kv_injection()
         timed = {token_bucket(n) for n in counts}
         counts.clear()
-        long_prompt = [t % 120 for t in range(190)]
-        engine.generate(PROMPTS * 2 + [long_prompt], mixed_requests() * 2 + [SamplingParams(max_new_tokens=8)])
+        long_prompts = [[t % 120 for t in range(190)], [t % 110 for t in range(190)]]
+        engine.generate(long_prompts + PROMPTS * 2, [SamplingParams(max_new_tokens=8)] * 2 + mixed_requests() * 2)
     finally:
-        del drafter.inject_context
-    assert counts and {token_bucket(n) for n in counts} <= timed
+        drafter_module.kv_injection = op
+    assert counts and {token_bucket(n) for n in counts} <= timed and max(timed) == 256
