@@ -38,6 +38,7 @@ from .sampling import (DRAFT, GumbelNoise, ProposalRule, RowParams, SamplingPara
                        propose_tokens, rejection_choices, sampling_scores, to_device)
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence, Status
+from .step_clock import PhaseTimer, StepClock
 from .step_graphs import StepGraphs, batch_bucket, length_bucket, length_buckets
 from .target import TargetModel
 from .verify_length import StepCosts, VerifyLengthPolicy, device_signature, doubling
@@ -56,30 +57,6 @@ def cache_capacity(max_context: int, block_size: int) -> int:
 def default_kv_cache_tokens(max_batch_size: int, max_context: int, block_size: int) -> int:
     """KV memory when none is set: what one slot of max_context per sequence took before the cache was paged."""
     return max_batch_size * cache_capacity(max_context, block_size)
-
-
-class StepClock:
-    """Times between marks of a step: host time on a CPU; on CUDA, events on the device, where the host
-    runs ahead of the work it queues. Read after the step's device-to-host copy, they wait for nothing."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks = []
-        self.mark()
-
-    def mark(self) -> None:
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals(self) -> list[float]:
-        """Seconds between consecutive marks."""
-        if self.cuda:
-            self.marks[-1].synchronize()  # done already where the step's results were copied back
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 @dataclass
@@ -158,6 +135,7 @@ class SpeculativeEngine:
         self.scheduler = Scheduler(max_batch_size, self.block_manager, block_size)
         self.last_step_seconds = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}  # for latency metrics
         self.last_verify_length: int | None = None  # None: the last step verified nothing
+        self.phases = PhaseTimer()  # the last step's wall time by phase (step_clock.py)
         # sequence -> (features [F], position) of committed tokens whose drafter context is not written yet
         self.pending_context: dict[Sequence, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         on_cuda = self.device.type == "cuda"
@@ -254,6 +232,7 @@ class SpeculativeEngine:
         """Admit waiting sequences and prefill (a chunk of) their prompts, then one draft + verify pass for the
         running sequences whose prompts are in."""
         with torch.inference_mode(), self._on_device():
+            self.phases.start()
             self.last_step_seconds = dict.fromkeys(self.last_step_seconds, 0.0)
             self.last_verify_length = None
             outputs = self._prefill_step()
@@ -263,6 +242,7 @@ class SpeculativeEngine:
             if batch:
                 k = self._verify_length(batch)
                 stalls = self._stalls()
+                self.phases.lap("schedule")
                 chosen = self._speculate(batch, k)
                 if self.policy is not None and self._stalls() == stalls:  # a stalled step would teach a false cost
                     seconds = self.last_step_seconds
@@ -273,6 +253,8 @@ class SpeculativeEngine:
                     self._record(seq, accepted, k - 1, len(committed))
                     outputs.append(StepOutput(seq, committed, seq.stats.acceptance_lengths[-1]))
                 self.last_verify_length = k
+                self.phases.lap("commit")
+            self.phases.lap("schedule")
             return outputs
 
     def _prefill_step(self) -> list[StepOutput]:
@@ -296,10 +278,14 @@ class SpeculativeEngine:
                 take(seq)
                 if budget <= 0:
                     break
+        self.phases.lap("schedule")
         if not parts:
             return []
-        return [StepOutput(seq, self._commit(seq, first, logprobs))
-                for (seq, _), (first, logprobs) in zip(parts, self._prefill(parts)) if first]
+        firsts = self._prefill(parts)
+        outputs = [StepOutput(seq, self._commit(seq, first, logprobs))
+                   for (seq, _), (first, logprobs) in zip(parts, firsts) if first]
+        self.phases.lap("commit")
+        return outputs
 
     def _on_device(self):
         """On CUDA, self.device as the current device: an engine on cuda:1 launches its kernels and graphs
@@ -340,12 +326,16 @@ class SpeculativeEngine:
         tokens = self._to_device([seq.token_ids[start:end] + [0] * (width - (end - start))
                                   for (seq, end), start in zip(parts, starts)])
         positions = self._to_device(starts)[:, None] + torch.arange(width, device=self.device)
+        logits_at = self._to_device([w - 1 for w in widths])
+        self.phases.lap("inputs")
         clock = StepClock(self.device)
         logits, features = self.target(tokens, positions, self.target_cache, table, self.feature_layers,
-                                       logits_at=self._to_device([w - 1 for w in widths]), length=max(starts) + width,
+                                       logits_at=logits_at, length=max(starts) + width,
                                        causal=not any(starts) and min(widths) == width)  # whole prompts alike
+        self.phases.lap("prefill pass")
         if self.drafter is not None:
             self.drafter.inject_context(features, positions, self.draft_cache, table, self.injection_tokens)
+            self.phases.lap("context pass")
         clock.mark()
         firsts = []
         for row, (seq, end) in enumerate(parts):
@@ -359,10 +349,12 @@ class SpeculativeEngine:
                 first = choose_tokens(logits[row], seq.params, end)  # reads the device: the clock's marks are done
                 wanted = seq.params.logprobs is not None
                 firsts[-1] = first, token_logprobs(logits[row], torch.tensor(first), seq.params) if wanted else None
+        self.phases.lap("sample")
         seconds, = clock.intervals()
         for seq in seqs:
             seq.stats.verify_seconds += seconds
         self.last_step_seconds["prefill"] += seconds
+        self.phases.lap("stats")
         return firsts
 
     def _speculate(self, batch: list[Sequence], k: int) -> list[tuple[list[int], int, list | None]]:
@@ -376,39 +368,54 @@ class SpeculativeEngine:
         context = max(s.last_position for s in batch)  # the longest committed context, in tokens
         draft_length, verify_length = self._length(context + self.block_size), self._length(context + k)
         table = self._tables(batch + [None] * (num_rows - len(batch)), max(draft_length, verify_length))
+        lap = self.phases.lap
+        lap("inputs")
         clock = StepClock(self.device)
         sampled = self._sampled_rows(batch, row_of, starts, k)
+        lap("sample")
         block, draft_logits = tokens, None  # block [R, k]: each row's newest token, then k - 1 drafts
         if k > 1:
             self._write_pending_context(batch)
+            lap("context pass")
             key = ("draft", num_rows, k, draft_length)
             draft_logits = self.graphs.run(key, self._pass(key), tokens, starts, self._table_for(table, draft_length))
+            lap("draft pass")
             block = torch.cat([tokens, self._guided_drafts(batch, row_of, draft_logits, sampled)], dim=1)
+            lap("propose")
         clock.mark()
         key = ("verify", num_rows, k, verify_length)
         guided = self._guided_rows(batch, row_of, block)  # before the pass: a copy after it would wait for it
+        lap("grammar")
         logits, features = self.graphs.run(key, self._pass(key), block, starts, self._table_for(table, verify_length))
+        lap("verify pass")
         self._hold_stop_tokens(logits, batch, row_of)
         for seq, row in zip(batch, row_of):
             if penalised(seq.params):
                 apply_penalties(logits[row], block[row], seq.prompt_ids, seq.output_ids, seq.params)
+        lap("penalties")
         self._mask_guided(logits, guided)
+        lap("grammar")
         chosen = self._choose(logits, block, draft_logits, sampled)
         accepted = (block[:, 1:] == chosen[:, :-1]).cumprod(dim=1).sum(dim=1)
+        lap("accept")
         # block[0..a] are now committed context (the step's caller counts them); the bonus token's K/V comes
         # with the next block
         self._keep_context(features, starts[:, None] + self.offsets[:k], table,
                            deferred=list(zip(batch, row_of)) if k == 1 else None)
+        lap("context pass")
         clock.mark()
         result = torch.cat([chosen, accepted[:, None]], dim=1).tolist()  # the step's device-to-host copy
+        lap("copy")
         draft_seconds, verify_seconds = clock.intervals()
         self.last_step_seconds["draft"] = draft_seconds
         self.last_step_seconds["verify"] = verify_seconds
         for seq in batch:
             seq.stats.draft_seconds += draft_seconds
             seq.stats.verify_seconds += verify_seconds
+        lap("stats")
         logprobs = {row: token_logprobs(logits[row], chosen[row], seq.params)
                     for seq, row in zip(batch, row_of) if seq.params.logprobs is not None}
+        lap("logprobs")
         return [(result[r][:result[r][-1] + 1], result[r][-1], logprobs.get(r)) for r in row_of]
 
     def _tables(self, batch: list[Sequence | None], length: int) -> torch.Tensor:

@@ -81,6 +81,9 @@ class StepReport:
     acceptance_lengths: list[int] = field(default_factory=list)
     verify_length: int | None = None  # the step's verify length (1 + drafts per sequence); None: no verify
     seconds: dict[str, float] = field(default_factory=dict)  # prefill / draft / verify
+    # the iteration's wall seconds by phase: the engine step's (step_clock.py) and the loop's own ("loop": admissions,
+    # cancellation checks, occupancy); empty for an iteration that ran no step
+    phases: dict[str, float] = field(default_factory=dict)
     new_tokens: int = 0
     active: int = 0
     queued: int = 0
@@ -244,14 +247,18 @@ class EngineLoop:
 
     def _step(self) -> tuple[list[_Request], StepReport]:
         """One iteration under the lock: admissions, drain deadline, cancellations, one engine step."""
+        started = time.perf_counter()
         self._admit()
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
             self._abort(list(self._requests.values()), f"{SHUTTING_DOWN_MESSAGE}; the request was aborted")
         cancelled = self._drop_cancelled()
         self._drop_overdue()
-        outputs = []
+        outputs, phases = [], {}
         if self.engine.has_unfinished():
+            stepping = time.perf_counter()
             outputs = self._timed_step()
+            phases = dict(self.engine.phases.seconds)
+            phases["loop"] = stepping - started
         with self._admit_lock:
             self._occupancy = self.engine.occupancy()  # the slots this step freed
             if not self.engine.has_unfinished() and not self._pending:
@@ -261,7 +268,9 @@ class EngineLoop:
         for request in ready:
             if request.sequence.finished:
                 del self._requests[request.sequence]
-        return ready, self._report(outputs, cancelled)
+        if phases:
+            phases["loop"] += time.perf_counter() - started - sum(phases.values())
+        return ready, self._report(outputs, cancelled, phases)
 
     def _admit(self) -> None:
         with self._admit_lock:
@@ -336,12 +345,13 @@ class EngineLoop:
                     self.engine.cancel(seq)
                     self._requests.pop(seq, None)
 
-    def _report(self, outputs: list[StepOutput], cancelled: int) -> StepReport:
+    def _report(self, outputs: list[StepOutput], cancelled: int, phases: dict[str, float]) -> StepReport:
         occupancy = self.engine.occupancy()
         return StepReport(
             acceptance_lengths=[o.acceptance_length for o in outputs if o.acceptance_length is not None],
             verify_length=self.engine.last_verify_length,
             seconds=dict(self.engine.last_step_seconds),
+            phases=phases,
             new_tokens=sum(len(o.new_token_ids) for o in outputs),
             active=occupancy.running,
             queued=occupancy.waiting,

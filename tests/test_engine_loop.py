@@ -297,3 +297,36 @@ def test_a_request_that_waits_too_long_for_a_slot_is_refused_as_at_capacity(tiny
         assert all(s.done.wait(120) and s.error is None for s in running)  # those that had a slot finish
     finally:
         loop.stop()
+
+
+def test_each_step_report_says_where_the_iterations_time_went(tiny):
+    """Every iteration that steps the engine reports its wall time by phase: the passes (the model's work), the
+    host's phases around them and the loop's own; they add up to the iteration, measured around it here."""
+    from dflash_runtime.step_clock import host_seconds
+
+    engine, loop = _loop(tiny)
+    reports, walls = [], []
+    step = loop._step
+
+    def timed_step():
+        started = time.perf_counter()
+        result = step()
+        walls.append(time.perf_counter() - started)
+        return result
+
+    loop._step = timed_step
+    loop.on_step = reports.append
+    stream = Collector()
+    try:
+        loop.submit(PROMPTS[2], SamplingParams(max_new_tokens=24, ignore_eos=True), stream)
+        assert stream.done.wait(60) and stream.error is None
+    finally:
+        loop.stop()
+    stepped = [(r, wall) for r, wall in zip(reports, walls) if r.phases]
+    assert len(stepped) >= 2
+    for report, wall in stepped:
+        assert {"schedule", "loop"} <= set(report.phases) and min(report.phases.values()) >= 0
+        assert sum(report.phases.values()) == pytest.approx(wall, rel=0.05, abs=2e-4)
+        assert 0 < host_seconds(report.phases) < sum(report.phases.values())
+    phases = set().union(*(r.phases for r, _ in stepped))
+    assert {"prefill pass", "verify pass", "inputs", "accept", "commit", "copy"} <= phases

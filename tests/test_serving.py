@@ -302,6 +302,9 @@ def test_metrics_sit_beside_tritons_own(default_server, in_process):
     top = [float(line.rsplit(" ", 1)[1]) for line in buckets if 'le="8"' in line]
     assert steps > 0 and top == [steps]
     assert metric(default_server, "dflash_verify_duration_seconds_count") > 0
+    # every iteration that stepped the engine, prefill-only ones too; host time well under a pass's
+    host_steps = metric(default_server, "dflash_step_host_seconds_count")
+    assert host_steps >= steps and 0 < metric(default_server, "dflash_step_host_seconds_sum") / host_steps < 0.05
     assert metric(default_server, "dflash_generated_tokens_total") >= 8
     assert metric(default_server, "nv_inference_request_success") > 0
 

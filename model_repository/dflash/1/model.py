@@ -20,6 +20,7 @@ from dflash_contract.protocol import (CANCELLED_MESSAGE, FINISH_REASON, STATISTI
 from dflash_contract.server import acknowledged_path, drain_signal, progress_signal, queue_timeout, report_engine_failure
 from dflash_contract.versions import version_warning
 from dflash_runtime.pipeline import load_pipeline
+from dflash_runtime.step_clock import host_seconds
 from dflash_runtime.verify_length import StepCosts
 from dflash_serving.engine_loop import EngineLoop, EngineStopped, QueueFull
 from dflash_serving.logprobs import TokenTexts
@@ -29,6 +30,7 @@ from dflash_serving.requests import is_stop_request, parse_engine_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+HOST_BUCKETS = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05]
 
 
 class TritonPythonModel:
@@ -239,6 +241,9 @@ class EngineMetrics:
                                      buckets=LATENCY_BUCKETS)
         self.prefill_seconds = family("dflash_prefill_duration_seconds", "Prefills per step", H,
                                       buckets=LATENCY_BUCKETS)
+        self.host_seconds = family("dflash_step_host_seconds", "Host time per engine step outside the model's "
+                                   "passes and the device-to-host copy: scheduling, inputs, sampling, acceptance, "
+                                   "commits and the loop's own work", H, buckets=HOST_BUCKETS)
         self.tokens = family("dflash_generated_tokens_total", "Tokens generated", C)
         self.cancelled = family("dflash_cancelled_requests_total", "Requests cancelled by their clients", C)
         self.active = family("dflash_active_sequences", "Sequences in the running batch", G)
@@ -269,6 +274,8 @@ class EngineMetrics:
             self.verify_seconds.observe(report.seconds["verify"])
         if report.seconds["prefill"]:
             self.prefill_seconds.observe(report.seconds["prefill"])
+        if report.phases:
+            self.host_seconds.observe(host_seconds(report.phases))
         if report.new_tokens:
             self.tokens.increment(report.new_tokens)
         if report.cancelled:
