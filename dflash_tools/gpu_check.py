@@ -31,28 +31,14 @@ from pathlib import Path
 
 import torch
 
-from dflash_runtime.config import DrafterConfig, TargetConfig
-from dflash_runtime.drafter import DFlashDrafter
 from dflash_runtime.engine import SpeculativeEngine, cache_capacity
 from dflash_runtime.kv_cache import BLOCK_SIZE, KVCache
-from dflash_runtime.layers import AttentionMask, prepare_for_inference
+from dflash_runtime.layers import AttentionMask
 from dflash_runtime.sampling import GumbelNoise, RowParams, SamplingParams, sample_tokens
-from dflash_runtime.target import TargetModel
 
-# HF config fields of each target shape, and its drafter's (layers, target_layer_ids): z-lab's for Qwen3-8B
-SHAPES = {
-    "tiny": ({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
-              "tie_word_embeddings": True}, (1, [1, 3])),
-    "smollm2-135m": ({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                      "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
-                      "rope_theta": 100000.0, "tie_word_embeddings": True}, (2, [1, 8, 15, 22, 29])),
-    "qwen3-8b": ({"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                  "rope_theta": 1000000.0, "tie_word_embeddings": False}, (5, [1, 9, 17, 25, 33])),
-}
-COMMON = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096, "attention_bias": False,
-          "eos_token_id": 0, "hidden_act": "silu"}
+from .random_models import SHAPES, random_models
+from .step_profile import profile_rows, table as host_table
+
 BLOCKS = (8, 16)
 PROMPT_TOKENS = 64
 MAX_CONTEXT = 1024  # room for the timed steps even if random drafts were accepted
@@ -61,43 +47,12 @@ MAX_CONTEXT = 1024  # room for the timed steps even if random drafts were accept
 LONG_CONTEXT = 2048 - max(BLOCKS)
 CONTEXTS = ("short", "long")
 PAGED_KEYS = (2048, 16384)
-PARTS = ("steps", "paged", "masks")
+PARTS = ("steps", "host", "paged", "masks")
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def random_models(name: str, device: torch.device, dtype: torch.dtype, folder: Path):
-    """transformers' model of the shape with random weights, and our target and drafter on the same weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields, (draft_layers, layer_ids) = SHAPES[name]
-    config = {**COMMON, **fields}
-    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
-    (folder / "config.json").write_text(json.dumps(config))
-    with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype).eval()
-    with torch.device("meta"):
-        target = TargetModel(TargetConfig.from_dir(folder))
-    state = dict(hf.state_dict())
-    target.load_state_dict({k: state[k] for k in target.state_dict()}, assign=True)
-    if target.config.tie_word_embeddings:
-        target.lm_head.weight = target.model.embed_tokens.weight
-    drafter_config = {**config, "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-                      "num_hidden_layers": draft_layers, "num_target_layers": config["num_hidden_layers"],
-                      "block_size": max(BLOCKS), "dflash_config": {"mask_token_id": 1, "target_layer_ids": layer_ids}}
-    (folder / "drafter").mkdir()
-    (folder / "drafter" / "config.json").write_text(json.dumps(drafter_config))
-    with torch.device("meta"):
-        drafter = DFlashDrafter(DrafterConfig.from_dir(folder / "drafter"))
-    drafter = drafter.to_empty(device=device).to(dtype)
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-    prepare_for_inference(target)
-    prepare_for_inference(drafter)
-    return hf, target.eval(), drafter.eval()
 
 
 def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
@@ -389,8 +344,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu runs the same code, slowly")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
-                        help="steps: the engine's step timings; paged: paged attention against a view; masks: guided "
-                             "decoding's grammar masks (needs xgrammar; skipped without it) (default: all)")
+                        help="steps: the engine's step timings; host: each step's time by phase, host and passes "
+                             "apart (dflash-profile-step's table); paged: paged attention against a view; masks: "
+                             "guided decoding's grammar masks (needs xgrammar; skipped without it) (default: all)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -400,7 +356,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
     print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s", file=sys.stderr)
-    rows, paged, masks = [], [], []
+    rows, host, paged, masks = [], [], [], []
     with torch.inference_mode():
         for name in args.shapes:
             if "paged" in args.parts:
@@ -409,19 +365,23 @@ def main(argv=None) -> int:
             if "masks" in args.parts and importlib.util.find_spec("xgrammar") is not None:
                 masks += [grammar_mask_row(name, batch, args.steps, device, dtype, schema)
                           for schema in MASK_SCHEMAS for batch in args.batch_sizes]
-            if "steps" not in args.parts:
+            if "steps" not in args.parts and "host" not in args.parts:
                 continue
             with tempfile.TemporaryDirectory() as folder:
                 models = random_models(name, device, dtype, Path(folder))
-                for context in args.contexts:
+                for context in args.contexts if "steps" in args.parts else ():
                     for batch in args.batch_sizes:
                         rows.append(measure_shape(name, batch, context, args.steps, bandwidth, models))
                         print(f"{name} batch {batch} {context}: {json.dumps(rows[-1])}", file=sys.stderr)
+                if "host" in args.parts:
+                    host += profile_rows(name, *models[1:], args.batch_sizes, [1, 8], args.steps)
                 del models
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if rows:
         print(table(rows))
+    if host:
+        print(host_table(host))
     if paged:
         print(paged_table(paged))
     if masks:
@@ -432,6 +392,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({"device": str(torch.cuda.get_device_name(device)
                                                              if device.type == "cuda" else "cpu"),
                                                "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows,
+                                               "host_phases": host,
                                                "paged_attention": paged, "grammar_masks": masks},
                                               indent=2) + "\n")
     return 0

@@ -123,6 +123,9 @@ def test_gpu_check_tool_runs_on_a_cpu(tmp_path, capsys):
     paged = json.loads(out.read_text())["paged_attention"]
     assert [(r["batch"], r["keys"]) for r in paged] == [(1, 2048), (1, 16384), (2, 2048), (2, 16384)]
     assert all(r["paged_ms"] > 0 and r["contiguous_ms"] > 0 for r in paged) and "paged attention" in printed
+    host = json.loads(out.read_text())["host_phases"]  # dflash-profile-step's rows (test_step_profile.py)
+    assert [(r["batch"], r["block"]) for r in host] == [(1, 1), (1, 8), (2, 1), (2, 8)]
+    assert all(r["host_us"] > 0 and r["ops_per_step"] > 0 for r in host) and "| host us |" in printed
 
 
 def test_bounds_checks_hold_inside_a_compiled_pass(tiny, monkeypatch):

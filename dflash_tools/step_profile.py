@@ -1,0 +1,156 @@
+"""dflash-profile-step: where an engine step's time goes, by phase, at several batch sizes.
+
+For each target, batch size and mode (plain decoding, and a forced draft + verify block), a full batch of random
+prompts decodes without end; after warm-up steps the engine's own phase timer (dflash_runtime/step_clock.py) gives
+each phase's median microseconds per step. The host's phases (scheduling, block tables and input tensors,
+sampling, grammar, penalties, acceptance, commits, stats) are what a step costs besides the model; the passes
+(prefill, context, draft, verify) are the model's work on a CPU and its launches on CUDA, where the wait for the
+device shows in "copy". Then torch's profiler counts the operations a step dispatches (top-level aten calls; our
+C kernels are one ctypes call each and not counted): each has a fixed cost, which dominates a small model's step.
+
+Targets: "tiny" (hidden 64, 4 layers, random weights: a step that is almost all fixed cost) and the embedded
+default with its shipped weights, served as `dflash-serve` would serve it (--cpu-weights, default auto).
+`make gpu-check` prints the same table on a GPU (random weights at the GPU shapes).
+
+Example:
+  dflash-profile-step --targets tiny smollm2-135m --batch-sizes 1 8 32 --json profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_contract.presets import CPU_WEIGHTS, DEFAULT_PRESET
+from dflash_runtime.engine import SpeculativeEngine
+from dflash_runtime.sampling import SamplingParams
+from dflash_runtime.step_clock import COPY, PASSES, host_seconds
+
+PROMPT_TOKENS = 16
+HOST_ORDER = ("schedule", "inputs", "sample", "propose", "grammar", "penalties", "accept", "copy", "stats",
+              "logprobs", "commit")
+
+
+def count_operations(engine: SpeculativeEngine, steps: int) -> float:
+    """Top-level torch operations per engine step (an op's own nested calls not counted), over `steps` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")) / steps
+
+
+def profile_engine(engine: SpeculativeEngine, batch: int, steps: int, label: str) -> dict:
+    """Median wall microseconds per phase of `steps` steps over a full batch of random prompts; ops per step."""
+    vocab = engine.target.config.shape.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=10 ** 6, ignore_eos=True)
+    seqs = [engine.add_request(torch.randint(2, vocab, (PROMPT_TOKENS,), generator=generator).tolist(), params)
+            for _ in range(batch)]
+    for _ in range(3):  # the prefills, then warm-up
+        engine.step()
+    phases: dict[str, list[float]] = {}
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+        for phase in set(phases) | set(engine.phases.seconds):
+            phases.setdefault(phase, []).append(engine.phases.seconds.get(phase, 0.0))
+    operations = count_operations(engine, min(steps, 5))
+    for seq in seqs:
+        engine.cancel(seq)
+    median = {phase: statistics.median(values) * 1e6 for phase, values in phases.items()}
+    layers = engine.target.config.shape.num_layers
+    return {"target": label, "batch": batch, "block": engine.block_size,
+            "step_ms": round(statistics.median(walls) * 1e3, 3),
+            "passes_ms": round(sum(median.get(p, 0.0) for p in PASSES) / 1e3, 3),
+            "host_us": round(host_seconds(median), 1), "copy_us": round(median.get(COPY, 0.0), 1),
+            "phases_us": {phase: round(us, 1) for phase, us in sorted(median.items())},
+            "ops_per_step": round(operations, 1), "ops_per_layer": round(operations / layers, 1)}
+
+
+def profile_rows(label: str, target, drafter, batch_sizes: list[int], blocks: list[int], steps: int) -> list[dict]:
+    rows = []
+    for batch in batch_sizes:
+        for block in blocks:
+            engine = SpeculativeEngine(target, drafter if block > 1 else None, block_size=block,
+                                       max_batch_size=batch, max_context=PROMPT_TOKENS + (steps + 12) * block + 16)
+            rows.append(profile_engine(engine, batch, steps, label))
+            print(f"{label} batch {batch} block {block}: step {rows[-1]['step_ms']} ms, host {rows[-1]['host_us']} us",
+                  file=sys.stderr)
+            del engine
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """One line per (target, batch, block): the step, its passes, its host time and each host phase, its ops."""
+    phases = [p for p in HOST_ORDER if any(p in r["phases_us"] for r in rows)]
+    head = ["target", "batch", "block", "step ms", "passes ms", "host us", *phases, "ops/step", "ops/layer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["target"], r["batch"], r["block"], f"{r['step_ms']:.2f}", f"{r['passes_ms']:.2f}",
+                 f"{r['host_us']:.0f}", *(f"{r['phases_us'].get(p, 0.0):.0f}" for p in phases),
+                 f"{r['ops_per_step']:.0f}", f"{r['ops_per_layer']:.0f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def load_target_rows(name: str, args: argparse.Namespace) -> list[dict]:
+    if name == "tiny":
+        from .random_models import random_models
+
+        with tempfile.TemporaryDirectory() as folder:
+            _, target, drafter = random_models("tiny", torch.device(args.device), torch.float32, Path(folder))
+    else:
+        from dflash_runtime.pipeline import load_pipeline
+
+        pipe = load_pipeline(name, device=args.device, cpu_weights=args.cpu_weights)
+        target, drafter = pipe.target, pipe.drafter
+        if target.served_weights is not None:
+            print(f"{name}: cpu weights {target.served_weights.describe()}", file=sys.stderr)
+    blocks = [1] + [b for b in args.blocks if drafter is not None and b <= drafter.config.block_size]
+    return profile_rows(name, target, drafter, args.batch_sizes, blocks, args.steps)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-profile-step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", nargs="+", default=["tiny", DEFAULT_PRESET],
+                        help=f"'tiny' (random weights) and/or presets or checkpoint directories (default: tiny "
+                             f"{DEFAULT_PRESET})")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--blocks", nargs="+", type=int, default=[8],
+                        help="draft + verify block sizes to profile beside plain decoding (default: 8)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per row (the median counts)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cpu-weights", choices=CPU_WEIGHTS, help="the format a CPU serves a preset's linears in "
+                        "(default: DFLASH_CPU_WEIGHTS, else auto, as dflash-serve)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if min(args.batch_sizes) < 1 or args.steps < 1 or min(args.blocks) < 2:
+        parser.error("batch sizes and --steps must be >= 1, --blocks >= 2")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = []
+    with torch.inference_mode():
+        for name in args.targets:
+            rows += load_target_rows(name, args)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "threads": torch.get_num_threads(),
+                                               "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
