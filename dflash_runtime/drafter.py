@@ -19,7 +19,8 @@ from .checkpoint import load_weights, read_safetensors
 from .config import DrafterConfig, TargetConfig
 from .kv_cache import BLOCK_SIZE, KVCache
 from .kv_injection import injected_kv, kv_injection
-from .layers import MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference
+from .layers import (MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference,
+                     signed_sin)
 
 
 class DrafterLayer(nn.Module):
@@ -105,6 +106,7 @@ class DFlashDrafter(nn.Module):
         s = self.config.shape
         mask = AttentionMask(visible, s.num_heads, s.num_kv_heads)
         cos, sin = self.rotary(positions, h.dtype)
+        sin = signed_sin(sin)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, keys_values(i), mask)
         return self.norm(h)
@@ -120,8 +122,8 @@ class DFlashDrafter(nn.Module):
         written there replaces them and nothing else ever sees them."""
         # every key up to the block's last position: the context before the block, and the whole block
         visible = (torch.arange(length, device=positions.device)[None, :] <= positions[:, -1:])[:, None, None, :]
-        return self.draft(block_embeddings, positions,
-                          lambda i: partial(cache.write_and_read, i, table, positions, length), visible)
+        address = cache.address(table, length, positions)
+        return self.draft(block_embeddings, positions, lambda i: partial(cache.write_and_read, i, address), visible)
 
 
 def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -54,6 +54,13 @@ def cache_capacity(max_context: int, block_size: int) -> int:
     return -(-(max_context + block_size) // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
 
 
+def injection_tokens(max_context: int, max_batch_size: int, block_size: int) -> int:
+    """The most positions one KV-injection call gets (a prefill's padded rows may bring more, written in parts): a
+    power of two, so that the op's token buckets up to it, timed at start-up, cover every call (_time_kv_injection)."""
+    most = max(max_context, max_batch_size * max(block_size, MAX_PENDING_CONTEXT))
+    return 1 << (most - 1).bit_length()
+
+
 def default_kv_cache_tokens(max_batch_size: int, max_context: int, block_size: int) -> int:
     """KV memory when none is set: what one slot of max_context per sequence took before the cache was paged."""
     return max_batch_size * cache_capacity(max_context, block_size)
@@ -100,15 +107,15 @@ class SpeculativeEngine:
         decode: token ids -> text, needed only for stop strings. static_shapes: run steps over fixed
         shapes, as CUDA graphs on a GPU (default: on CUDA unless DFLASH_CUDA_GRAPHS=0; on a CPU it
         only pads, which the tests use to check the graphs' functions). draft_sharpness: how exact sampling
-        drafts (sampling.propose_tokens): 1 couples the drafter's sample to the target's, 0 drafts argmax;
-        None: learned as the engine runs (sampling.ProposalRule).
-        speculative_sampling: the method of sampled requests that name none (presets.SPECULATIVE_SAMPLING).
-        kv_cache_tokens: positions of KV memory for all sequences together, in blocks of kv_cache.BLOCK_SIZE
-        (default: max_batch_size contexts of max_context, what one slot per sequence took); max_context is cut
-        to what it holds for one sequence. prefix_caching: reuse the blocks of prompts seen before (off for A/B
-        runs). prefill_chunk: prompt tokens a step prefills at most, so that the running sequences keep
-        decoding during a long prompt (None: a prompt's whole uncached part in one pass). grammars: guided requests'
-        compiler (grammar.py; None: they are refused)."""
+        drafts (sampling.propose_tokens): 1 couples the drafter's sample to the target's, 0 drafts argmax; None:
+        learned as the engine runs (sampling.ProposalRule). speculative_sampling: the method of sampled requests
+        that name none (presets.SPECULATIVE_SAMPLING).
+        kv_cache_tokens: positions of KV memory for all sequences together, in blocks of kv_cache.BLOCK_SIZE (default:
+        max_batch_size contexts of max_context, what one slot per sequence took); max_context is cut to what it holds
+        for one sequence. prefix_caching: reuse the blocks of prompts seen before (off for A/B runs). prefill_chunk:
+        prompt tokens a step prefills at most, so that the running sequences keep decoding during a long prompt
+        (None: a prompt's whole uncached part in one pass). grammars: guided requests' compiler (grammar.py; None:
+        they are refused)."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
@@ -120,9 +127,7 @@ class SpeculativeEngine:
         max_context = min(max_context or 2048, target.config.max_position_embeddings)
         blocks = -(-(kv_cache_tokens or default_kv_cache_tokens(max_batch_size, max_context, block_size)) // BLOCK_SIZE)
         self.max_context = _context_in(blocks, max_context, block_size)
-        self.prefill_chunk = prefill_chunk
-        self.decode = decode
-        self.grammars = grammars
+        self.prefill_chunk, self.decode, self.grammars = prefill_chunk, decode, grammars
         self.mask_seconds = 0.0  # host time spent on guided decoding's masks, for benchmarks
         self.proposal_rule = ProposalRule(draft_sharpness)
         self.speculative_sampling = check_speculative_sampling(speculative_sampling)
@@ -139,18 +144,14 @@ class SpeculativeEngine:
         # sequence -> (features [F], position) of committed tokens whose drafter context is not written yet
         self.pending_context: dict[Sequence, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         on_cuda = self.device.type == "cuda"
-        if static_shapes is None:
-            static_shapes = on_cuda and os.environ.get("DFLASH_CUDA_GRAPHS", "1") != "0"
-        self.static_shapes = static_shapes
-        self.graphs = StepGraphs(capture=static_shapes and on_cuda)
+        self.static_shapes = static_shapes if static_shapes is not None else (
+            on_cuda and os.environ.get("DFLASH_CUDA_GRAPHS", "1") != "0")
+        self.graphs = StepGraphs(capture=self.static_shapes and on_cuda)
         self.offsets = torch.arange(block_size, device=self.device)  # positions within a block
-        # the most positions one KV-injection call gets (a prefill's padded rows are more): the op's token buckets
-        # up to it are timed at start-up (_time_kv_injection)
-        most = max(self.max_context, max_batch_size * max(block_size, MAX_PENDING_CONTEXT))
-        self.injection_tokens = 1 << (most - 1).bit_length()
+        self.injection_tokens = injection_tokens(self.max_context, max_batch_size, block_size)
         adaptive = adaptive and self.drafter is not None
         self.verify_lengths = doubling(block_size) if adaptive else (block_size,)  # the k a step may verify
-        self.policy = None
+        self.policy = None  # "auto"'s, made by _start_up
         self._start_up(adaptive, step_costs)
 
     def _start_up(self, adaptive: bool, step_costs: StepCosts | None) -> None:

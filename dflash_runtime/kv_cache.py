@@ -11,12 +11,24 @@ per-slot cache as a view; a block of 16 positions gathered as fast as 64 and twi
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .block_manager import NULL_BLOCK
 from .kv_injection.op import CHECK_BOUNDS
 
 BLOCK_SIZE = 16  # positions per block: the prefix cache's granularity; see the module's note for the measurement
+
+
+class PassAddress(NamedTuple):
+    """Where one pass writes and what it reads in every layer's cache, worked out once for all its layers."""
+
+    blocks: torch.Tensor | None  # [B, T] the block of each new position (None: a pass that only reads)
+    offsets: torch.Tensor | None  # [B, T] its offset within the block
+    reads: torch.Tensor  # [B * W] the blocks holding each row's first `length` keys, row after row
+    batch: int
+    length: int  # keys each row reads
 
 
 class KVCache:
@@ -58,26 +70,30 @@ class KVCache:
         elif int(positions.max()) >= capacity:
             raise IndexError(f"KV cache write at position {int(positions.max())} beyond the table's {capacity} positions")
 
-    def write(self, layer: int, table: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # table: [B, W]; positions: [B, T]; k, v: [B, T, KV, D]
-        blocks, offsets = self.locate(table, positions)
-        self.k[layer][blocks, offsets] = k
-        self.v[layer][blocks, offsets] = v
+    def address(self, table: torch.Tensor, length: int, positions: torch.Tensor | None = None) -> PassAddress:
+        """A pass's PassAddress: table [B, W], each row's blocks; it reads each row's first `length` keys and, given
+        positions [B, T], writes those."""
+        blocks, offsets = self.locate(table, positions) if positions is not None else (None, None)
+        reads = table[:, :-(-length // self.block_size)].flatten()
+        return PassAddress(blocks, offsets, reads, table.shape[0], length)
 
-    def read(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer: int, address: PassAddress, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [B, T, KV, D] at the address's positions
+        self.k[layer][address.blocks, address.offsets] = k
+        self.v[layer][address.blocks, address.offsets] = v
+
+    def read(self, layer: int, address: PassAddress) -> tuple[torch.Tensor, torch.Tensor]:
         # -> k, v: [B, KV, length, D], gathered: a copy of the live prefix per layer and step
-        batch, width = table.shape[0], -(-length // self.block_size)
-        blocks = table[:, :width].flatten()
-        shape = (batch, width * self.block_size, *self.k.shape[3:])
-        k = self.k[layer].index_select(0, blocks).view(shape)[:, :length]
-        v = self.v[layer].index_select(0, blocks).view(shape)[:, :length]
+        shape = (address.batch, -1, *self.k.shape[3:])
+        k = self.k[layer].index_select(0, address.reads).view(shape)[:, :address.length]
+        v = self.v[layer].index_select(0, address.reads).view(shape)[:, :address.length]
         return k.transpose(1, 2), v.transpose(1, 2)
 
-    def write_and_read(self, layer: int, table: torch.Tensor, positions: torch.Tensor, length: int,
-                       k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_and_read(self, layer: int, address: PassAddress, k: torch.Tensor,
+                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's KeysValues over this cache: write the new k, v, then read the first `length` keys."""
-        self.write(layer, table, positions, k, v)
-        return self.read(layer, table, length)
+        self.write(layer, address, k, v)
+        return self.read(layer, address)
 
     def injection_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's caches as the KV-injection op addresses them, [blocks, KV, block_size, D] (views): a token's

@@ -18,6 +18,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:  # one op for the six below, bitwise the same (tested)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 as HF does, so low-precision runs match the reference.
         dtype = x.dtype
         x = x.float()
@@ -89,12 +91,18 @@ class Rotary:
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """Rotary's sin with the first half of each head negated, what apply_rope takes (made once per pass)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, T, H, D], as the projection made it; HF's rotate-half convention (not interleaved pairs). On a
-    # transposed x the result came out with its head dim strided, which SDPA's fused kernels refuse.
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # x: [B, T, H, D], as the projection made it; sin: signed_sin's. HF's rotate-half convention (not interleaved
+    # pairs): x * cos + cat(-x2, x1) * sin, here x2 * -sin for -x2 * sin (the same rounding, bitwise) so that the
+    # rotation is one roll: 4 ops instead of 7 per call. On a transposed x the result came out with its head dim
+    # strided, which SDPA's fused kernels refuse.
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class AttentionProjections(nn.Module):
@@ -125,7 +133,8 @@ class AttentionProjections(nn.Module):
         return self._key_value(self.k_proj(x), self.v_proj(x), cos, sin)
 
     def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [B, H, T, D] and k, v [B, T, KV, D] of the same input (one GEMM once fused)."""
+        """q [B, H, T, D] and k, v [B, T, KV, D] of the same input (one GEMM once fused); cos and sin: the pass's
+        Rotary angles, sin as signed_sin made it."""
         if self.qkv is None:
             return (self.query(x, cos, sin), *self.key_value(x, cos, sin))
         kv_width = self.num_kv_heads * self.head_dim

@@ -207,7 +207,8 @@ def paged_attention_row(name: str, batch: int, keys: int, steps: int, device: to
     contiguous = torch.randn(2, batch, kv_heads, keys, head_dim, dtype=dtype, device=device)
     query = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
     mask = AttentionMask(torch.ones(batch, 1, 1, keys, dtype=torch.bool, device=device), heads, kv_heads)
-    runs = {"paged": lambda: mask.attend(query, *cache.read(0, table, keys)),
+    address = cache.address(table, keys)
+    runs = {"paged": lambda: mask.attend(query, *cache.read(0, address)),
             "contiguous": lambda: mask.attend(query, contiguous[0], contiguous[1])}
     seconds = {}
     for kind, run in runs.items():

@@ -92,13 +92,13 @@ def test_kv_cache_writes_and_reads_through_block_tables():
     table = torch.tensor([[3, 1], [4, 2]])
     positions = torch.tensor([[0, 1, 2], [0, 1, 2]])
     kv = torch.arange(2 * 3 * 2 * 4, dtype=torch.float32).view(2, 3, 2, 4)
-    cache.write(0, table, positions, kv, -kv)
+    cache.write(0, cache.address(table, 3, positions), kv, -kv)
     assert torch.equal(cache.k[0, 3], kv[0, :2]) and torch.equal(cache.k[0, 1, 0], kv[0, 2])
     assert torch.equal(cache.v[0, 2, 0], -kv[1, 2]) and not cache.k[0, 0].any()  # the null block untouched
-    k, v = cache.read(0, table, 3)
+    k, v = cache.read(0, cache.address(table, 3))
     assert k.shape == v.shape == (2, 2, 3, 4)
     assert torch.equal(k[0].transpose(0, 1), kv[0]) and torch.equal(v[1].transpose(0, 1), -kv[1])
-    shared = cache.read(0, torch.tensor([[3, 2]]), 3)[0]  # sequence 0's first block, then sequence 1's second
+    shared = cache.read(0, cache.address(torch.tensor([[3, 2]]), 3))[0]  # sequence 0's first block, then sequence 1's second
     assert torch.equal(shared[0].transpose(0, 1), torch.cat([kv[0, :2], kv[1, 2:]]))
     assert cache.sequential_table(2, 3).tolist() == [[1, 2], [3, 4]]
     with pytest.raises(ValueError, match="need 6 blocks; the cache has 4"):

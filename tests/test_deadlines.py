@@ -1,5 +1,5 @@
 """Deadlines on the real server (the embedded default): a client that gives up frees its slot within a second (on a
-loaded machine, within a few engine steps: test_serving.FREED_WITHIN_STEPS).
+loaded machine, within the cancellation polls and a few engine steps: test_serving.freed_promptly).
 
 Our clients' `timeout` ends the request on the server: the client closes the stream (over HTTP always a
 stream: Triton notices a gone HTTP client only when it writes to it), Triton cancels the request, and the engine

@@ -16,6 +16,7 @@ from dflash_runtime.drafter import DFlashDrafter
 from dflash_runtime.kv_cache import KVCache
 from dflash_runtime.kv_injection import kv_injection, kv_injection_reference
 from dflash_runtime.kv_injection.op import check_arguments
+from dflash_runtime.layers import signed_sin
 
 # (hidden, kv_heads, head_dim, rope base): the embedded default's drafter and Qwen3-8B's
 SHAPES = {"smollm2-135m": (576, 3, 64, 100000.0), "qwen3-8b": (4096, 8, 128, 1000000.0)}
@@ -60,8 +61,8 @@ def test_reference_equals_the_unfused_drafter_layer(shape):
         for slot, count, first in RAGGED:
             positions = torch.arange(first, first + count)[None]
             cos, sin = drafter.rotary(positions, torch.float32)
-            k, v = attn.key_value(batch["context"][None, start:start + count], cos, sin)
-            unfused.write(0, torch.tensor([[slot]]), positions, k, v)
+            k, v = attn.key_value(batch["context"][None, start:start + count], cos, signed_sin(sin))
+            unfused.write(0, unfused.address(torch.tensor([[slot]]), first + count, positions), k, v)
             start += count
         cache_k, cache_v = new_cache(kv_heads, head_dim)
         kv_injection_reference(batch["context"], batch["k_weight"], batch["v_weight"], batch["k_norm_weight"],
