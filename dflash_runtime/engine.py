@@ -113,8 +113,8 @@ class SpeculativeEngine:
         kv_cache_tokens: positions of KV memory for all sequences together, in blocks of kv_cache.BLOCK_SIZE (default:
         max_batch_size contexts of max_context, what one slot per sequence took); max_context is cut to what it holds
         for one sequence. prefix_caching: reuse the blocks of prompts seen before (off for A/B runs). prefill_chunk:
-        prompt tokens a step prefills at most, so that the running sequences keep decoding during a long prompt
-        (None: a prompt's whole uncached part in one pass). grammars: guided requests' compiler (grammar.py; None:
+        prompt tokens a step prefills at most while some sequence decodes, which keeps decoding during a long prompt
+        (None: a prompt's whole uncached part in one pass; _prefill_budget). grammars: guided requests' compiler (grammar.py; None:
         they are refused)."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
@@ -259,26 +259,19 @@ class SpeculativeEngine:
             return outputs
 
     def _prefill_step(self) -> list[StepOutput]:
-        """Prefill the prompts of admitted sequences in one pass, oldest first, within the step's prefill_chunk
-        tokens; admit more while tokens are left. A sequence whose prompt is in gets its first token."""
-        budget = self.prefill_chunk or float("inf")
+        """Admit waiting sequences while batch places and KV blocks allow, then prefill (chunks of) the prompts of
+        admitted sequences in one pass, oldest first, within the step's budget (_prefill_budget). A sequence whose
+        prompt is in gets its first token."""
+        budget = self._prefill_budget()
+        for _ in self.scheduler.admit():  # by places and blocks, not by this step's budget: they prefill in turn
+            pass
         parts = []  # (sequence, end of the tokens this pass writes)
-
-        def take(seq: Sequence) -> None:
-            nonlocal budget
+        for seq in [s for s in self.scheduler.running if s.prefilling]:
             end = int(min(seq.prefill_end, seq.num_computed + budget))
-            if end > seq.num_computed:
-                parts.append((seq, end))
-                budget -= end - seq.num_computed
-
-        for seq in [s for s in self.scheduler.running if s.prefilling]:  # admitted in an earlier step
-            if budget > 0:
-                take(seq)
-        if budget > 0:
-            for seq in self.scheduler.admit():
-                take(seq)
-                if budget <= 0:
-                    break
+            if end <= seq.num_computed:
+                break
+            parts.append((seq, end))
+            budget -= end - seq.num_computed
         self.phases.lap("schedule")
         if not parts:
             return []
@@ -287,6 +280,14 @@ class SpeculativeEngine:
                    for (seq, _), (first, logprobs) in zip(parts, firsts) if first]
         self.phases.lap("commit")
         return outputs
+
+    def _prefill_budget(self) -> float:
+        """Prompt tokens this step prefills at most: prefill_chunk while some sequence decodes (its step waits for
+        the pass), else a whole context's worth (nobody waits; a burst's prompts fill the batch at once)."""
+        if not self.prefill_chunk:
+            return float("inf")
+        decoding = any(not s.prefilling for s in self.scheduler.running)
+        return self.prefill_chunk if decoding else max(self.prefill_chunk, self.max_context)
 
     def _on_device(self):
         """On CUDA, self.device as the current device: an engine on cuda:1 launches its kernels and graphs

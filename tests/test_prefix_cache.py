@@ -98,16 +98,47 @@ def test_a_second_turn_hits_the_first_turns_answer(tiny):
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_is_lossless_beside_decoding_sequences(tiny, chunk):
+    """A long prompt that arrives while others decode prefills chunk by chunk beside them (the first prompts, with
+    nobody decoding yet, prefill whole)."""
     target, drafter = load_pair(tiny)
     params = mixed_requests()
     prompts = FAMILY[:3] + [list(range(1, 120))]
     engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=4, prefill_chunk=chunk)
-    steps = []
-    step = engine.step
-    engine.step = lambda: steps.append(engine.last_step_seconds) or step()
-    assert [s.output_ids for s in engine.generate(prompts, params)] == plain(target, prompts, params)
-    if chunk < 64:  # the long prompt took several steps, some of which also decoded
-        assert len(steps) > 119 // chunk
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params)]
+    engine.step()
+    assert all(s.output_ids for s in seqs)
+    long = engine.add_request(prompts[3], params[3])
+    beside = []  # the long prompt's progress in each step that also decoded another sequence
+    while engine.has_unfinished():
+        before = long.num_computed
+        others = any(s is not long and not s.prefilling for s in engine.scheduler.running)
+        engine.step()
+        if others and long.prefilling and long.num_computed > before:
+            beside.append(long.num_computed - before)
+    assert [s.output_ids for s in seqs + [long]] == plain(target, prompts, params)
+    assert beside and max(beside) <= chunk
+    if chunk < 64:  # several chunks beside the decoding sequences
+        assert len(beside) >= 2
+
+
+def test_a_burst_fills_the_batch_while_prompts_longer_than_a_chunk_prefill(tiny):
+    """Twelve requests at once on four places, prompts of 40 tokens, 16 prefilled per step while others decode: the
+    places fill as they free (admission by places and blocks, not by the step's prefill budget) and, with nobody
+    decoding, a step prefills whole prompts, so the batch decodes full while requests wait. Outputs: plain decoding's."""
+    target, drafter = load_pair(tiny)
+    prompts = [[(5 * i + j) % 120 for j in range(40)] for i in range(12)]
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 12
+    engine = SpeculativeEngine(target, drafter, block_size=1, max_batch_size=4, prefill_chunk=16)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    decoding = []
+    while engine.has_unfinished():
+        waiting = engine.occupancy().waiting
+        engine.step()
+        if waiting:
+            decoding.append(engine.last_verify_length is not None and
+                            sum(not s.prefilling for s in engine.scheduler.running))
+    assert [s.output_ids for s in seqs] == plain(target, prompts, params)
+    assert sum(decoding) / len(decoding) >= 3.5, decoding  # of 4 places; 2.7 when admission waited for the budget
 
 
 def test_preemption_under_a_small_budget_loses_and_changes_nothing(tiny):
