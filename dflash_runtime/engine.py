@@ -34,8 +34,8 @@ from .logprobs import token_logprobs
 from .penalties import apply_penalties, penalised
 from .kv_cache import BLOCK_SIZE, null_padded
 from .kv_injection.op import KERNEL_IS_FASTER
-from .sampling import (DRAFT, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens, proposal_hits,
-                       propose_tokens, rejection_choices, sampling_scores, to_device)
+from .sampling import (DRAFT, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens, greedy_tokens,
+                       proposal_hits, propose_tokens, rejection_choices, sampling_scores, to_device)
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence, Status
 from .step_clock import PhaseTimer, StepClock
@@ -527,7 +527,7 @@ class SpeculativeEngine:
         """The drafts [R, k - 1] from the drafter's logits: the argmax for greedy rows; for sampled rows the
         proposal rule of sampling.propose_tokens with the noise of the positions they guess, or for
         rejection sampling a sample of the drafter's own distribution."""
-        drafts = logits.argmax(-1)
+        drafts = greedy_tokens(logits)
         if sampled is None:
             return drafts
         mine, params = logits[sampled.rows], sampled.params
@@ -587,7 +587,7 @@ class SpeculativeEngine:
         """The target's token at each block position, [R, k] on the device: the argmax for greedy rows, for
         the others the Gumbel-max sample with the noise of (seed, position), or rejection sampling's choice.
         A learning proposal rule is told which rules would have guessed the samples at the first draft."""
-        chosen = logits.argmax(-1)
+        chosen = greedy_tokens(logits)
         if sampled is None:
             return chosen
         rows = sampled.rows

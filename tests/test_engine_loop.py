@@ -330,3 +330,36 @@ def test_each_step_report_says_where_the_iterations_time_went(tiny):
         assert 0 < host_seconds(report.phases) < sum(report.phases.values())
     phases = set().union(*(r.phases for r, _ in stepped))
     assert {"prefill pass", "verify pass", "inputs", "accept", "commit", "copy"} <= phases
+
+
+def test_a_step_that_raises_midway_fails_its_requests_leaks_nothing_and_the_engine_serves_on(tiny):
+    """A fault inside a step, after its blocks were reserved and its drafts made (the verify pass raises, as an
+    out-of-memory would): the requests it held fail as INTERNAL errors; no KV block, batch place or deferred
+    context is left behind; the next request decodes exactly what a fresh engine decodes."""
+    engine, loop = _loop(tiny)
+    verify, calls = engine._verify_pass, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return verify(*args, **kwargs)
+
+    engine._verify_pass = failing_once
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    try:
+        held = [Collector(), Collector()]
+        for prompt, stream in zip(PROMPTS[:2], held):
+            loop.submit(prompt, params, stream)
+        assert all(stream.done.wait(60) for stream in held)
+        assert all(error_class(s.error) == "INTERNAL" and "out of memory" in s.error for s in held), held[0].error
+        occupancy = engine.occupancy()
+        assert (occupancy.running, occupancy.waiting, occupancy.used_blocks) == (0, 0, 0)
+        assert occupancy.free_slots == 2 and not engine.pending_context
+        after = Collector()
+        loop.submit(PROMPTS[2], params, after)
+        assert after.done.wait(60) and after.error is None
+    finally:
+        loop.stop()
+    fresh = _engine(tiny).generate([PROMPTS[2]], params)[0].output_ids
+    assert after.output_ids() == fresh

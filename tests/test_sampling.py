@@ -249,3 +249,23 @@ def test_noise_depends_only_on_seed_position_and_token():
     assert not torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[3])  # another seed (low, high)
     assert not torch.equal(noise[0], gumbel_noise(seeds, positions, VOCAB, DRAFT)[0])  # another stream
     assert torch.isfinite(noise).all()
+
+
+def test_greedy_tokens_are_argmax_ties_and_masks_included():
+    """torch.max's indices in place of argmax (faster on a CPU): the same token everywhere, the first of equal
+    logits included (a bfloat16 head ties often) and rows masked to -inf but for a few tokens."""
+    from dflash_runtime.sampling import greedy_tokens
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        logits = torch.randint(-3, 4, (5, 8, 49152)).to(dtype)  # every row has thousands of ties at its maximum
+        logits[0, :, ::2] = float("-inf")
+        logits[1, 3] = float("-inf")
+        logits[1, 3, [7, 9000]] = 2.0
+        assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+        assert greedy_tokens(logits)[1, 3] == 7
+        strided = torch.randn(6, 200).to(dtype)[:, ::3]
+        assert torch.equal(greedy_tokens(strided), strided.argmax(-1))
+        one_row = torch.zeros(1, 1, 49152, dtype=dtype)  # a single row: the reduction may split it across threads
+        one_row[..., [30000, 100, 45000]] = 1
+        assert greedy_tokens(one_row).item() == one_row.argmax(-1).item() == 100
