@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help="prompt tokens the torch runtime prefills per step while some stream decodes, so that "
                              "running streams keep decoding while a long prompt comes in (with none decoding, up to a "
-                             f"whole context's worth); 0: a whole prompt in one pass (default: {DEFAULT_PREFILL_CHUNK})")
+                             f"whole context's worth); 0: a whole prompt in one pass (default: "
+                             f"{DEFAULT_PREFILL_CHUNK})")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="turn the torch runtime's prefix cache off (for A/B runs): every prompt is computed "
                              "whole, even one that repeats a conversation's history")

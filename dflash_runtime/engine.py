@@ -114,8 +114,8 @@ class SpeculativeEngine:
         max_batch_size contexts of max_context, what one slot per sequence took); max_context is cut to what it holds
         for one sequence. prefix_caching: reuse the blocks of prompts seen before (off for A/B runs). prefill_chunk:
         prompt tokens a step prefills at most while some sequence decodes, which keeps decoding during a long prompt
-        (None: a prompt's whole uncached part in one pass; _prefill_budget). grammars: guided requests' compiler (grammar.py; None:
-        they are refused)."""
+        (None: a prompt's whole uncached part in one pass; _prefill_budget). grammars: guided requests' compiler
+        (grammar.py; None: they are refused)."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1

@@ -98,7 +98,8 @@ def test_kv_cache_writes_and_reads_through_block_tables():
     k, v = cache.read(0, cache.address(table, 3))
     assert k.shape == v.shape == (2, 2, 3, 4)
     assert torch.equal(k[0].transpose(0, 1), kv[0]) and torch.equal(v[1].transpose(0, 1), -kv[1])
-    shared = cache.read(0, cache.address(torch.tensor([[3, 2]]), 3))[0]  # sequence 0's first block, then sequence 1's second
+    # sequence 0's first block, then sequence 1's second
+    shared = cache.read(0, cache.address(torch.tensor([[3, 2]]), 3))[0]
     assert torch.equal(shared[0].transpose(0, 1), torch.cat([kv[0, :2], kv[1, 2:]]))
     assert cache.sequential_table(2, 3).tolist() == [[1, 2], [3, 4]]
     with pytest.raises(ValueError, match="need 6 blocks; the cache has 4"):

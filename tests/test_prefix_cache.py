@@ -124,7 +124,8 @@ def test_chunked_prefill_is_lossless_beside_decoding_sequences(tiny, chunk):
 def test_a_burst_fills_the_batch_while_prompts_longer_than_a_chunk_prefill(tiny):
     """Twelve requests at once on four places, prompts of 40 tokens, 16 prefilled per step while others decode: the
     places fill as they free (admission by places and blocks, not by the step's prefill budget) and, with nobody
-    decoding, a step prefills whole prompts, so the batch decodes full while requests wait. Outputs: plain decoding's."""
+    decoding, a step prefills whole prompts, so the batch decodes full while requests wait. Outputs: plain
+    decoding's."""
     target, drafter = load_pair(tiny)
     prompts = [[(5 * i + j) % 120 for j in range(40)] for i in range(12)]
     params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 12
