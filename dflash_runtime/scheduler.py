@@ -52,8 +52,8 @@ class Scheduler:
 
     def admit(self) -> Iterator[Sequence]:
         """Move waiting sequences into the batch, oldest first, while there is room and their blocks are free,
-        yielding each with its prefix-cache hit counted in seq.num_computed. A generator: a sequence that
-        finishes in its prefill gives its blocks to the next in line within the same step."""
+        yielding each with its prefix-cache hit counted in seq.num_computed (a generator: a caller may prefill each
+        before the next is admitted, as the engine's start-up profile does)."""
         while self.waiting and len(self.running) < self.num_slots:
             seq = self.waiting[0]
             hit = self.blocks.admit(seq.block_table, seq.block_hashes, seq.token_ids[:seq.num_tokens - 1],
