@@ -347,10 +347,11 @@ class EngineLoop:
 
     def _report(self, outputs: list[StepOutput], cancelled: int, phases: dict[str, float]) -> StepReport:
         occupancy = self.engine.occupancy()
+        stepped = bool(phases)  # an iteration that ran no step must not report the last step's figures again
         return StepReport(
             acceptance_lengths=[o.acceptance_length for o in outputs if o.acceptance_length is not None],
-            verify_length=self.engine.last_verify_length,
-            seconds=dict(self.engine.last_step_seconds),
+            verify_length=self.engine.last_verify_length if stepped else None,
+            seconds={k: v if stepped else 0.0 for k, v in self.engine.last_step_seconds.items()},
             phases=phases,
             new_tokens=sum(len(o.new_token_ids) for o in outputs),
             active=occupancy.running,

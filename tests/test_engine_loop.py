@@ -320,8 +320,15 @@ def test_each_step_report_says_where_the_iterations_time_went(tiny):
     try:
         loop.submit(PROMPTS[2], SamplingParams(max_new_tokens=24, ignore_eos=True), stream)
         assert stream.done.wait(60) and stream.error is None
+        count = len(reports)
+        loop._wake.set()  # an iteration with nothing to step: it must not report the last step's figures again
+        deadline = time.monotonic() + 10
+        while len(reports) == count and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         loop.stop()
+    idle = [r for r in reports if not r.phases]
+    assert idle and all(r.verify_length is None and not any(r.seconds.values()) for r in idle)
     stepped = [(r, wall) for r, wall in zip(reports, walls) if r.phases]
     assert len(stepped) >= 2
     for report, wall in stepped:
