@@ -45,11 +45,10 @@ class PhaseTimer:
     """Wall seconds per phase of the current step: each lap charges the time since the previous one to a phase."""
 
     def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
+        self.start()
 
     def start(self) -> None:
-        self.seconds = {}
+        self.seconds: dict[str, float] = {}
         self._last = time.perf_counter()
 
     def lap(self, phase: str) -> None:

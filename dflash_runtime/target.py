@@ -108,7 +108,7 @@ class TargetModel(nn.Module):
         s = self.config.shape
         mask = AttentionMask(visible, s.num_heads, s.num_kv_heads, self.attention_dtype)
         kernel_pass = None  # what the layers on kernels (cpu_weights) share, made by the first
-        torch_pass = None  # what the others share: RoPE's signed sin and the cache's addresses
+        rope_sin = address = None  # what the others share, made by the first
         selected = {}
         for i, layer in enumerate(self.model.layers):
             if layer.kernels is not None:
@@ -116,9 +116,9 @@ class TargetModel(nn.Module):
                     kernel_pass = LlamaPass.of(positions, table, length, visible, cos, sin, cache.block_size)
                 h = layer.kernels(h, cache.k[i], cache.v[i], kernel_pass)
             else:
-                if torch_pass is None:
-                    torch_pass = signed_sin(sin), cache.address(table, length, positions)
-                h = layer(h, cos, torch_pass[0], partial(cache.write_and_read, i, torch_pass[1]), mask)
+                if address is None:
+                    rope_sin, address = signed_sin(sin), cache.address(table, length, positions)
+                h = layer(h, cos, rope_sin, partial(cache.write_and_read, i, address), mask)
             if i in feature_layers:
                 selected[i] = h
         features = torch.cat([selected[i] for i in feature_layers], dim=-1) if feature_layers else None
