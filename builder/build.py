@@ -243,6 +243,7 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
         "kv_cache_tokens": kv_cache_tokens(inputs, opts),
         "prefill_chunk": opts.prefill_chunk,
         "prefix_caching": str(opts.prefix_caching).lower(),
+        "suffix_drafts": str(opts.suffix_drafts).lower(),
         "dtype": opts.dtype,
         "device": opts.device,
         "cpu_weights": opts.cpu_weights,
@@ -267,7 +268,7 @@ def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
         plain = measure(pipe, None, autoregressive, {}, prompts, opts.sanity_tokens, "sanity")
         return {"num_prompts": plain["num_prompts"], "tokens_per_second": plain["tokens_per_second"]}
     dflash = pipe.engine(block_size=inputs.block_size, max_batch_size=opts.max_batch_size,
-                         max_context=inputs.max_context)
+                         max_context=inputs.max_context, suffix_drafts=opts.suffix_drafts)
     result = measure(pipe, None, autoregressive, {str(inputs.block_size): dflash}, prompts, opts.sanity_tokens,
                      "sanity")
     served = pipe.target.served_weights
@@ -515,8 +516,7 @@ def summary(manifest: dict, output: Path) -> str:
                                if trtllm else ""))]
         if sanity.get("verify_profile"):
             profile = sanity["verify_profile"]
-            rows.append(("auto", auto_in_words({int(k): n for k, n in dflash["verify_lengths"].items()},
-                                               StepCosts.from_json(profile), profile["acceptance_rates"])))
+            rows.append(("auto", auto_in_words(StepCosts.from_json(profile), dflash["by_source"])))
         if sanity.get("cpu_weights"):
             rows.append(("cpu weights", sanity["cpu_weights"]))
         if sanity.get("cpu_weights_quality"):

@@ -64,6 +64,7 @@ class BuildOptions:
     kv_cache_tokens: int | None = None  # None: max_batch_size contexts (engine.default_kv_cache_tokens)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # 0: a prompt's whole uncached part in one pass
     prefix_caching: bool = True
+    suffix_drafts: bool = True  # block size auto: draft-free suffix drafts beside the drafter (suffix_drafts.py)
     dtype: str = "auto"  # resolved by the build: bfloat16 on CUDA, float32 on a CPU
     cpu_weights: str = "auto"  # the torch runtime's linears on a CPU (dflash_runtime/cpu_weights.py)
     device: str = "auto"  # resolved by the build: CUDA when there is a GPU
@@ -244,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="turn the torch runtime's prefix cache off (for A/B runs): every prompt is computed "
                              "whole, even one that repeats a conversation's history")
+    parser.add_argument("--no-suffix-drafts", dest="suffix_drafts", action="store_false",
+                        help="turn off the torch runtime's draft-free suffix drafts (block size auto: a step may "
+                             "verify the continuation of an earlier occurrence of a request's own text instead of the "
+                             "drafter's block; only ever a request's own prompt and output), for A/B runs")
     parser.add_argument("--reasoning-parser", default=PRESET_PARSER,
                         choices=(PRESET_PARSER, "none", *REASONING_PARSERS),
                         help="how the OpenAI gateway splits a thinking model's reasoning into reasoning_content: "
@@ -281,7 +286,8 @@ def options_from_args(args: argparse.Namespace) -> BuildOptions:
                         kv_cache=args.kv_cache, calib_samples=args.calib_samples, block_size=args.block_size,
                         max_batch_size=args.max_batch_size, max_context=args.max_context,
                         max_queue_size=args.max_queue_size, kv_cache_tokens=args.kv_cache_tokens,
-                        prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching, dtype=args.dtype, device=args.device, gpu=args.gpu,
+                        prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching,
+                        suffix_drafts=args.suffix_drafts, dtype=args.dtype, device=args.device, gpu=args.gpu,
                         cpu_weights=args.cpu_weights,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size, dflash_attention=args.dflash_attention,

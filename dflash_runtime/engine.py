@@ -28,24 +28,23 @@ from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_SPECULATIVE_SAMPLIN
 
 from .config import DFlashError
 from .drafter import DFlashDrafter
+from .drafter_context import MAX_PENDING_CONTEXT, DrafterContext
 from .block_manager import BlockManager
 from .grammar import GrammarCompiler, mask_logits, new_bitmask
 from .logprobs import token_logprobs
 from .penalties import apply_penalties, penalised
 from .kv_cache import BLOCK_SIZE, null_padded
 from .kv_injection.op import KERNEL_IS_FASTER
-from .sampling import (DRAFT, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens, greedy_tokens,
-                       proposal_hits, propose_tokens, rejection_choices, sampling_scores, to_device)
+from .sampling import (DRAFT, DraftSources, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens,
+                       greedy_tokens, proposal_hits, propose_tokens, rejection_choices, sampling_scores, to_device)
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence, Status
 from .step_clock import PhaseTimer, StepClock
 from .step_graphs import StepGraphs, batch_bucket, length_bucket, length_buckets
+from .suffix_drafts import SuffixDraft, TokenHistory
 from .target import TargetModel
-from .verify_length import StepCosts, VerifyLengthPolicy, device_signature, doubling
+from .verify_length import StepCosts, StepPlan, VerifyLengthPolicy, device_signature, doubling, match_bucket
 
-# Deferred context per sequence is written once it reaches this many tokens: features of a large target
-# are tens of KB per token, and "auto" may run hundreds of plain steps between drafts at a large batch.
-MAX_PENDING_CONTEXT = 64
 CACHE_ALIGNMENT = 16  # SDPA's memory-efficient kernel needs a mask's key axis in multiples of 16 elements
 
 
@@ -100,7 +99,7 @@ class SpeculativeEngine:
                  step_costs: StepCosts | None = None, static_shapes: bool | None = None,
                  draft_sharpness: float | None = None, speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING,
                  kv_cache_tokens: int | None = None, prefix_caching: bool = True, prefill_chunk: int | None = None,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, suffix_drafts: bool = True):
         """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
         length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
         to start "auto" from, used if it was made on this device (else the engine profiles itself).
@@ -115,7 +114,9 @@ class SpeculativeEngine:
         for one sequence. prefix_caching: reuse the blocks of prompts seen before (off for A/B runs). prefill_chunk:
         prompt tokens a step prefills at most while some sequence decodes, which keeps decoding during a long prompt
         (None: a prompt's whole uncached part in one pass; _prefill_budget). grammars: guided requests' compiler
-        (grammar.py; None: they are refused)."""
+        (grammar.py; None: they are refused). suffix_drafts: under "auto", a row may verify the continuation of an
+        earlier occurrence of its own text instead of the drafter's block where that is expected to pay more
+        (suffix_drafts.py; greedy and exact-sampling rows that are not guided)."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
@@ -141,17 +142,21 @@ class SpeculativeEngine:
         self.last_step_seconds = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}  # for latency metrics
         self.last_verify_length: int | None = None  # None: the last step verified nothing
         self.phases = PhaseTimer()  # the last step's wall time by phase (step_clock.py)
-        # sequence -> (features [F], position) of committed tokens whose drafter context is not written yet
-        self.pending_context: dict[Sequence, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         on_cuda = self.device.type == "cuda"
         self.static_shapes = static_shapes if static_shapes is not None else (
             on_cuda and os.environ.get("DFLASH_CUDA_GRAPHS", "1") != "0")
         self.graphs = StepGraphs(capture=self.static_shapes and on_cuda)
         self.offsets = torch.arange(block_size, device=self.device)  # positions within a block
         self.injection_tokens = injection_tokens(self.max_context, max_batch_size, block_size)
+        self.context = DrafterContext(self.drafter, self.draft_cache, self.injection_tokens, self._tables, block_size)
         adaptive = adaptive and self.drafter is not None
-        self.verify_lengths = doubling(block_size) if adaptive else (block_size,)  # the k a step may verify
+        # the k a step may verify: under "auto" any with dynamic shapes (a CPU's cost grows with every row: a draft
+        # of 5 is verified as 6 rows, not 8), the doubling lengths with static ones (a graph each)
+        lengths = doubling(block_size) if self.static_shapes else tuple(range(1, block_size + 1))
+        self.verify_lengths = lengths if adaptive else (block_size,)
         self.policy = None  # "auto"'s, made by _start_up
+        self.suffix_drafts = suffix_drafts and adaptive
+        self.draft_sources = DraftSources()  # every sequence's, summed since the engine started
         self._start_up(adaptive, step_costs)
 
     def _start_up(self, adaptive: bool, step_costs: StepCosts | None) -> None:
@@ -165,7 +170,7 @@ class SpeculativeEngine:
             if adaptive:
                 if step_costs is None or step_costs.device != device_signature(self.device):
                     step_costs = self._profile_step_costs()
-                self.policy = VerifyLengthPolicy(self.block_size, step_costs)
+                self.policy = VerifyLengthPolicy(self.block_size, step_costs, self.verify_lengths)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams) -> Sequence:
@@ -200,7 +205,7 @@ class SpeculativeEngine:
     def cancel(self, seq: Sequence) -> None:
         """End `seq` and free its blocks; those full and cached stay findable."""
         if not seq.finished:
-            self.pending_context.pop(seq, None)
+            self.context.drop(seq)
             self.scheduler.finish(seq, "cancelled")
 
     def has_unfinished(self) -> bool:
@@ -238,22 +243,24 @@ class SpeculativeEngine:
             self.last_verify_length = None
             outputs = self._prefill_step()
             batch = self.scheduler.reserve([s for s in self.scheduler.running if not s.prefilling])
-            for seq in [s for s in self.pending_context if s.status is not Status.RUNNING]:  # preempted: recomputed
-                del self.pending_context[seq]
+            for seq in [s for s in self.context.pending if s.status is not Status.RUNNING]:  # preempted: recomputed
+                self.context.drop(seq)
             if batch:
-                k = self._verify_length(batch)
+                suffix = self._suffix_drafts(batch)
+                self.phases.lap("propose")
+                plan = self._plan(batch, suffix)
                 stalls = self._stalls()
                 self.phases.lap("schedule")
-                chosen = self._speculate(batch, k)
+                chosen = self._speculate(batch, plan, suffix)
                 if self.policy is not None and self._stalls() == stalls:  # a stalled step would teach a false cost
                     seconds = self.last_step_seconds
-                    self.policy.costs.observe(len(batch), k, seconds["draft"] + seconds["verify"])
-                for seq, (tokens, accepted, logprobs) in zip(batch, chosen):
+                    self.policy.costs.observe(len(batch), plan.k, seconds["draft"] + seconds["verify"], plan.drafted)
+                for i, (seq, (tokens, accepted, logprobs)) in enumerate(zip(batch, chosen)):
                     seq.num_computed += accepted + 1  # the accepted drafts and the token before them
                     committed = self._commit(seq, tokens, logprobs)
-                    self._record(seq, accepted, k - 1, len(committed))
+                    self._record(seq, accepted, plan, suffix[i] if i in plan.suffix_rows else None, len(committed))
                     outputs.append(StepOutput(seq, committed, seq.stats.acceptance_lengths[-1]))
-                self.last_verify_length = k
+                self.last_verify_length = plan.k
                 self.phases.lap("commit")
             self.phases.lap("schedule")
             return outputs
@@ -294,25 +301,52 @@ class SpeculativeEngine:
         there whatever device the calling thread has current."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
-    def _verify_length(self, batch: list[Sequence]) -> int:
+    def _suffix_drafts(self, batch: list[Sequence]) -> list[SuffixDraft | None]:
+        """Each sequence's suffix draft (suffix_drafts.py), None where it has none or may not use one: guided rows
+        (their drafts must be grammatical) and rejection sampling's (it needs the drafter's distribution)."""
+        drafts = [None] * len(batch)
+        if not self.suffix_drafts:
+            return drafts
+        for i, seq in enumerate(batch):
+            if seq.grammar is None and seq.params.acceptance_kind != "rejection":
+                seq.history = seq.history or TokenHistory()
+                seq.history.sync(seq.prompt_ids, seq.output_ids)
+                drafts[i] = seq.history.propose(min(self.block_size, self._remaining(seq)) - 1)
+        return drafts
+
+    def _plan(self, batch: list[Sequence], suffix: list[SuffixDraft | None]) -> StepPlan:
         if self.policy is None:
-            return self.block_size
-        return self.policy.choose([self.policy.expected(s.params.acceptance_kind, s.stats, self._remaining(s))
-                                   for s in batch])
+            return StepPlan(self.block_size, self.block_size > 1)
+        policy = self.policy
+        expected = [policy.expected(s.params.acceptance_kind, s.stats, self._remaining(s)) for s in batch]
+        with_suffix = [draft and policy.suffix_expected(s.params.acceptance_kind, s.stats, draft, self._remaining(s))
+                       for s, draft in zip(batch, suffix)]
+        return policy.choose(expected, with_suffix)
 
     def _remaining(self, seq: Sequence) -> int:
         return min(seq.params.max_new_tokens - len(seq.output_ids), self.max_context - seq.num_tokens)
 
-    def _record(self, seq: Sequence, accepted: int, drafted: int, emitted: int) -> None:
+    def _record(self, seq: Sequence, accepted: int, plan: StepPlan, suffix: SuffixDraft | None, emitted: int) -> None:
         """Speculation statistics of one sequence's step, counting only what it emitted: a step cut
-        short by a stop or max_tokens counts its tokens, and says nothing of the drafts after them."""
+        short by a stop or max_tokens counts its tokens, and says nothing of the drafts after them. suffix: the
+        row's suffix draft where it verified that."""
+        drafted = plan.k - 1
         if emitted == accepted + 1:
             reached = min(drafted, accepted + 1)
         else:
             accepted = reached = max(emitted - 1, 0)  # 0 emitted: a guided sequence whose grammar took none
-        seq.stats.record(accepted, drafted, reached)
-        if self.policy is not None:
-            self.policy.acceptance[seq.params.acceptance_kind].observe(accepted, reached)
+        kind = seq.params.acceptance_kind
+        if suffix is None:
+            source, own = ("drafter", drafted) if plan.drafted else ("none", 0)
+            seq.stats.record(accepted, drafted, reached, source, own)
+            self.draft_sources.count(source, own, min(accepted, own))
+            if self.policy is not None and plan.drafted:
+                self.policy.acceptance[kind].observe(accepted, reached)
+            return
+        own = min(len(suffix.tokens), drafted)
+        seq.stats.record(accepted, drafted, reached, "suffix", own)
+        self.policy.suffix[kind, match_bucket(suffix.match_length)].observe(min(accepted, own), min(reached, own))
+        self.draft_sources.count("suffix", own, min(accepted, own))
 
     def _prefill(self, parts: list[tuple[Sequence, int]]) -> list[tuple[list[int], list | None]]:
         """One target pass over tokens [seq.num_computed, end) of each (seq, end), after what the cache holds;
@@ -336,7 +370,7 @@ class SpeculativeEngine:
                                        causal=not any(starts) and min(widths) == width)  # whole prompts alike
         self.phases.lap("prefill pass")
         if self.drafter is not None:
-            self.drafter.inject_context(features, positions, self.draft_cache, table, self.injection_tokens)
+            self.context.write(features, positions, table)
             self.phases.lap("context pass")
         clock.mark()
         firsts = []
@@ -359,16 +393,20 @@ class SpeculativeEngine:
         self.phases.lap("stats")
         return firsts
 
-    def _speculate(self, batch: list[Sequence], k: int) -> list[tuple[list[int], int, list | None]]:
-        """One draft pass and one verify pass of length k for the whole batch; returns per sequence its
-        accepted drafts plus the target's token after them (the bonus), before any stop condition, how many
+    def _speculate(self, batch: list[Sequence], plan: StepPlan,
+                   suffix: list[SuffixDraft | None]) -> list[tuple[list[int], int, list | None]]:
+        """One verify pass of length plan.k for the whole batch, after a draft pass where the plan says so; the rows
+        of plan.suffix_rows verify their suffix draft (padded with the drafter's or zeros). Returns per sequence
+        its accepted drafts plus the target's token after them (the bonus), before any stop condition, how many
         drafts were accepted, and where asked for each block position's log-probabilities (logprobs.py)."""
+        k = plan.k
         num_rows = batch_bucket(len(batch), self.scheduler.num_slots) if self.static_shapes else len(batch)
         row_of = list(range(len(batch)))  # rows past the batch (static shapes) pad: token 0 at position 0
         inputs = self._to_device([[s.output_ids[-1], s.last_position] for s in batch] + [[0, 0]] * (num_rows - len(batch)))
         tokens, starts = inputs[:, :1], inputs[:, 1]
         context = max(s.last_position for s in batch)  # the longest committed context, in tokens
-        draft_length, verify_length = self._length(context + self.block_size), self._length(context + k)
+        draft_length = self._length(context + self.block_size) if plan.drafted else 0
+        verify_length = self._length(context + k)
         table = self._tables(batch + [None] * (num_rows - len(batch)), max(draft_length, verify_length))
         lap = self.phases.lap
         lap("inputs")
@@ -376,14 +414,21 @@ class SpeculativeEngine:
         sampled = self._sampled_rows(batch, row_of, starts, k)
         lap("sample")
         block, draft_logits = tokens, None  # block [R, k]: each row's newest token, then k - 1 drafts
-        if k > 1:
-            self._write_pending_context(batch)
+        if plan.drafted:
+            self.context.flush(batch)
             lap("context pass")
             key = ("draft", num_rows, k, draft_length)
             draft_logits = self.graphs.run(key, self._pass(key), tokens, starts, self._table_for(table, draft_length))
             lap("draft pass")
             block = torch.cat([tokens, self._guided_drafts(batch, row_of, draft_logits, sampled)], dim=1)
-            lap("propose")
+        elif k > 1:
+            block = torch.cat([tokens, tokens.new_zeros(num_rows, k - 1)], dim=1)
+        if plan.suffix_rows:
+            places = [(row_of[i], j + 1, token)
+                      for i in plan.suffix_rows for j, token in enumerate(suffix[i].tokens[:k - 1])]
+            rows, columns, values = self._to_device(list(zip(*places)))
+            block[rows, columns] = values
+        lap("propose")
         clock.mark()
         key = ("verify", num_rows, k, verify_length)
         guided = self._guided_rows(batch, row_of, block)  # before the pass: a copy after it would wait for it
@@ -402,12 +447,16 @@ class SpeculativeEngine:
         lap("accept")
         # block[0..a] are now committed context (the step's caller counts them); the bonus token's K/V comes
         # with the next block
-        self._keep_context(features, starts[:, None] + self.offsets[:k], table,
-                           deferred=list(zip(batch, row_of)) if k == 1 else None)
+        positions = starts[:, None] + self.offsets[:k]
+        if plan.drafted:
+            self.context.write(features, positions, table)
         lap("context pass")
         clock.mark()
         result = torch.cat([chosen, accepted[:, None]], dim=1).tolist()  # the step's device-to-host copy
         lap("copy")
+        if not plan.drafted:
+            self.context.defer(features, positions, [(seq, row, result[row][-1]) for seq, row in zip(batch, row_of)])
+            lap("context pass")
         draft_seconds, verify_seconds = clock.intervals()
         self.last_step_seconds["draft"] = draft_seconds
         self.last_step_seconds["verify"] = verify_seconds
@@ -603,40 +652,9 @@ class SpeculativeEngine:
         chosen[rows] = samples
         return chosen
 
-    def _keep_context(self, features: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
-                      deferred: list[tuple[Sequence, int]] | None = None) -> None:
-        """The drafter's context of the target's features of the block at `positions` [R, k]: written for every
-        block position, the committed ones are what the step's caller counts (the rest are overwritten later).
-
-        deferred: a step without drafts (one token per sequence; (sequence, row) pairs) keeps its features
-        for the next step that drafts, which writes them all in one pass: under "auto" many plain steps
-        may run in a row. They are copies: a CUDA graph's outputs are overwritten by the next pass."""
-        if self.drafter is None:
-            return
-        if deferred is None:
-            self.drafter.inject_context(features, positions, self.draft_cache, table, self.injection_tokens)
-            return
-        for seq, row in deferred:
-            self.pending_context.setdefault(seq, []).append((features[row, 0].clone(), positions[row, 0]))
-        if max(len(self.pending_context[seq]) for seq, _ in deferred) >= MAX_PENDING_CONTEXT:
-            self._write_pending_context([seq for seq, _ in deferred])
-
-    def _write_pending_context(self, batch: list[Sequence]) -> None:
-        """KV injection of the deferred context of the batch's sequences, padded to one [B, T] pass by
-        repeating each row's last entry (writing the same K/V twice to one position is harmless)."""
-        rows = [(s, self.pending_context.pop(s)) for s in batch if s in self.pending_context]
-        if not rows:
-            return
-        width = max(len(entries) for _, entries in rows)
-        padded = [entries + entries[-1:] * (width - len(entries)) for _, entries in rows]
-        features = torch.stack([torch.stack([f for f, _ in entries]) for entries in padded])
-        positions = torch.stack([torch.stack([p for _, p in entries]) for entries in padded])
-        table = self._tables([s for s, _ in rows], max(s.num_tokens for s, _ in rows))
-        self.drafter.inject_context(features, positions, self.draft_cache, table, self.injection_tokens)
-
     def _cacheable(self, seq: Sequence) -> int:
         """Tokens of `seq` whose target K/V and drafter context are both written."""
-        return min(seq.num_computed - len(self.pending_context.get(seq, ())), seq.num_tokens)
+        return min(seq.num_computed - self.context.pending_tokens(seq), seq.num_tokens)
 
     def _cache_blocks(self, seq: Sequence) -> None:
         """Enter `seq`'s newly full blocks into the prefix cache. Called after every step: the token list is built
@@ -649,36 +667,43 @@ class SpeculativeEngine:
         """End `seq`, entering its full blocks into the prefix cache first (its deferred context written, so
         that a conversation's next turn finds its answer too)."""
         if self.block_manager.prefix_caching and self.drafter is not None:
-            self._write_pending_context([seq])
-        self.pending_context.pop(seq, None)
+            self.context.flush([seq])
+        self.context.drop(seq)
         self._cache_blocks(seq)
         self.scheduler.finish(seq, reason)
 
     def _profile_step_costs(self) -> StepCosts:
         """Seconds of a step at each verify length for batch sizes 1, 2, 4, ... max_batch_size, timed on
-        short dummy sequences that are dropped afterwards (a few seconds on a CPU)."""
+        short dummy sequences that are dropped afterwards (a few seconds on a CPU); and of its verify alone (what
+        a step verifying suffix drafts costs)."""
         vocab, prompt_length = self.target.config.shape.vocab_size, min(16, self.max_context - 1)
-        profile = {}
+        profile, verify_profile = {}, {}
         for batch_size in doubling(self.scheduler.num_slots):
             for _ in range(batch_size):
                 self.scheduler.add(Sequence([t % vocab for t in range(prompt_length)], SamplingParams()))
             for seq in self.scheduler.admit():
                 seq.output_ids += self._prefill([(seq, prompt_length)])[0][0]  # not committed: a dummy may not stop
             batch = list(self.scheduler.running)
-            profile[batch_size] = {k: self._time_speculate(batch, k) for k in doubling(self.block_size)}
+            timed = {k: self._time_speculate(batch, k) for k in doubling(self.block_size)}
+            for k in [k for k in timed if any(timed[k][0] > timed[j][0] for j in timed if j > k)]:
+                again = self._time_speculate(batch, k)  # slower than a longer step: timed again, once
+                timed[k] = min(timed[k][0], again[0]), min(timed[k][1], again[1])
+            profile[batch_size] = {k: step for k, (step, _) in timed.items()}
+            verify_profile[batch_size] = {k: verify for k, (_, verify) in timed.items()}
             for seq in batch:
                 self.scheduler.finish(seq, "cancelled")
         self.block_manager.queried_tokens = self.block_manager.hit_tokens = 0  # the dummies' lookups are not traffic
-        return StepCosts(device_signature(self.device), profile)
+        return StepCosts(device_signature(self.device), profile, verify_profile)
 
-    def _time_speculate(self, batch: list[Sequence], k: int, repeats: int = 2) -> float:
-        """The fastest of `repeats` steps of length k (noise on a shared machine only adds time), after
-        one to warm up; nothing is committed."""
-        seconds = []
+    def _time_speculate(self, batch: list[Sequence], k: int, repeats: int = 2) -> tuple[float, float]:
+        """The fastest of `repeats` steps of length k with the drafter (noise on a shared machine only adds time),
+        after one to warm up, and the fastest of their verify passes; nothing is committed."""
+        steps, verifies = [], []
         for _ in range(repeats + 1):
-            self._speculate(batch, k)
-            seconds.append(self.last_step_seconds["draft"] + self.last_step_seconds["verify"])
-        return min(seconds[1:])
+            self._speculate(batch, StepPlan(k, k > 1), [None] * len(batch))
+            steps.append(self.last_step_seconds["draft"] + self.last_step_seconds["verify"])
+            verifies.append(self.last_step_seconds["verify"])
+        return min(steps[1:]), min(verifies[1:])
 
     def _to_device(self, data) -> torch.Tensor:
         return to_device(data, self.device)

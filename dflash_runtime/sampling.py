@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -341,6 +342,42 @@ def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> to
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def _count_positions(accepted_by_position: list[int], reached_by_position: list[int], accepted: int,
+                     reached: int) -> None:
+    """Drafts 1..reached decided in turn, the first `accepted` of them accepted, added to per-position counts."""
+    missing = [0] * max(0, reached - len(reached_by_position))
+    accepted_by_position += missing
+    reached_by_position += missing
+    for j in range(reached):
+        reached_by_position[j] += 1
+        accepted_by_position[j] += j < accepted
+
+
+@dataclass
+class DraftSources:
+    """Steps, drafts made and drafts accepted by draft source: "drafter", "suffix" (suffix_drafts.py), "none" (a step
+    that verified no draft of its own)."""
+
+    steps: Counter = field(default_factory=Counter)
+    drafted: Counter = field(default_factory=Counter)
+    accepted: Counter = field(default_factory=Counter)
+
+    def count(self, source: str, drafted: int, accepted: int) -> None:
+        self.steps[source] += 1
+        self.drafted[source] += drafted
+        self.accepted[source] += accepted
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """{source: {"steps", "drafted", "accepted"}}, for reports."""
+        return {source: {"steps": n, "drafted": self.drafted[source], "accepted": self.accepted[source]}
+                for source, n in sorted(self.steps.items())}
+
+    def merge(self, other: "DraftSources") -> None:
+        self.steps.update(other.steps)
+        self.drafted.update(other.drafted)
+        self.accepted.update(other.accepted)
+
+
 @dataclass
 class SamplingStats:
     """What speculation did for one request (or a whole run)."""
@@ -352,34 +389,43 @@ class SamplingStats:
     draft_tokens: int = 0  # drafts verified
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    sources: "DraftSources" = field(default_factory=lambda: DraftSources())
+    suffix_accepted_by_position: list[int] = field(default_factory=list)  # as above, for suffix drafts
+    suffix_reached_by_position: list[int] = field(default_factory=list)
 
-    def record(self, accepted: int, drafted: int, reached: int) -> None:
+    def record(self, accepted: int, drafted: int, reached: int, source: str = "drafter",
+               own_drafts: int | None = None) -> None:
         """One verify step: `drafted` drafts verified; drafts 1..reached decided in turn, the first
-        `accepted` of them accepted (reached = accepted + 1, or less where the block or the request ended)."""
+        `accepted` of them accepted (reached = accepted + 1, or less where the block or the request ended).
+        source: what made the drafts; own_drafts: how many of them it made (the rest pad the verify; default all).
+        Acceptance by position is counted per source (the drafter's, the suffix drafts'): each is that source's
+        estimate."""
+        own = drafted if own_drafts is None else own_drafts
         self.acceptance_lengths.append(accepted + 1)
         self.verify_lengths.append(drafted + 1)
         self.draft_tokens += drafted
-        self._extend_positions(reached)
-        for j in range(reached):
-            self.reached_by_position[j] += 1
-            self.accepted_by_position[j] += j < accepted
+        self.sources.count(source, own, min(accepted, own))
+        if source == "drafter":
+            _count_positions(self.accepted_by_position, self.reached_by_position, accepted, reached)
+        elif source == "suffix":
+            _count_positions(self.suffix_accepted_by_position, self.suffix_reached_by_position, min(accepted, own),
+                             min(reached, own))
 
     def merge(self, other: "SamplingStats") -> None:
         """Add another request's statistics (for a summary over many requests)."""
         self.acceptance_lengths += other.acceptance_lengths
         self.verify_lengths += other.verify_lengths
         self.draft_tokens += other.draft_tokens
-        self._extend_positions(len(other.reached_by_position))
-        for j, (accepted, reached) in enumerate(zip(other.accepted_by_position, other.reached_by_position)):
-            self.accepted_by_position[j] += accepted
-            self.reached_by_position[j] += reached
+        for mine, theirs in ((self.accepted_by_position, other.accepted_by_position),
+                             (self.reached_by_position, other.reached_by_position),
+                             (self.suffix_accepted_by_position, other.suffix_accepted_by_position),
+                             (self.suffix_reached_by_position, other.suffix_reached_by_position)):
+            mine += [0] * (len(theirs) - len(mine))
+            for j, count in enumerate(theirs):
+                mine[j] += count
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
-
-    def _extend_positions(self, n: int) -> None:
-        missing = [0] * max(0, n - len(self.reached_by_position))
-        self.accepted_by_position += missing
-        self.reached_by_position += missing
+        self.sources.merge(other.sources)
 
     @property
     def draft_steps(self) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .grammar import SequenceGrammar
 from .sampling import SamplingParams, SamplingStats
+from .suffix_drafts import TokenHistory
 
 
 class Status(enum.Enum):
@@ -29,6 +30,7 @@ class Sequence:
     preemptions: int = 0  # times its blocks were taken back and it was requeued to be recomputed
     grammar: SequenceGrammar | None = None  # a guided request's grammar state (grammar.py)
     logprobs: list = field(default_factory=list)  # per output token, where asked for (logprobs.TokenLogprobs)
+    history: TokenHistory | None = None  # its tokens as suffix drafts search them, made at its first draft-able step
 
     @property
     def num_tokens(self) -> int:

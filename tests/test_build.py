@@ -83,6 +83,13 @@ def test_fp8_build_reports_quality_and_stays_lossless(tmp_path, monkeypatch, cap
     assert profile["seconds"].keys() == {"1", "2", "4", "8"}
     assert sanity["verify_profile"]["seconds"] == profile["seconds"]
     assert all(ks.keys() == {"1", "2", "4", "8"} for ks in profile["seconds"].values())
+    assert profile["verify_seconds"].keys() == profile["seconds"].keys()  # the verify alone: a suffix draft's step
+    # what auto did, from what was measured: the steps of each draft source, what a block costs here
+    words = re.search(r"auto +(.*)", summary(manifest, tmp_path / "fp8")).group(1)
+    steps = sum(s["steps"] for s in sanity["dflash"]["auto"]["by_source"].values())
+    assert re.fullmatch(rf"(.* on \d+ of {steps} steps.*)+: here a verify of 8 tokens costs [\d.]+x one token with the "
+                        r"drafter's pass, [\d.]+x without it; a step pays where it brings more tokens than it costs",
+                        words), words
     dflash = parse_model_config(tmp_path / "fp8" / "model_repository" / "dflash" / "config.pbtxt")
     assert dflash.parameters["verify_profile"].string_value == "../verify_profile.json"
     assert not list(tmp_path.glob(".*partial*"))

@@ -110,19 +110,26 @@ def test_benchmark_reports_side_by_side_and_checks_identity(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Name three colors."}\n')
     assert bench(["--prompts", "chat", str(prompts), "--num-prompts", "1", "--max-new-tokens", "12", "--no-hf",
-                  "--block-size", "auto", "8", "--json", str(tmp_path / "bench.json"),
+                  "--block-size", "auto", "8", "--suffix-drafts", "on", "off", "--json", str(tmp_path / "bench.json"),
                   "--plot", str(tmp_path / "bench.png")]) == 0
     summary = json.loads((tmp_path / "bench.json").read_text())
     assert summary["block_sizes"] == ["auto", "8"] and summary["drafter_block_size"] == 8
+    assert summary["modes"] == ["auto", "auto drafter-only", "8"]
     assert list(summary["prompt_sets"]) == ["chat", str(prompts)]
     for result in summary["prompt_sets"].values():
         assert result["token_identical_prompts"] == "1/1"
-        assert set(result["tokens_per_second"]) == {"autoregressive", "dflash auto", "dflash 8"}
-        fixed, auto = result["dflash"]["8"], result["dflash"]["auto"]
+        assert set(result["tokens_per_second"]) == {"autoregressive", "dflash auto", "dflash auto drafter-only",
+                                                    "dflash 8"}
+        fixed, auto, alone = result["dflash"]["8"], result["dflash"]["auto"], result["dflash"]["auto drafter-only"]
         assert fixed["mean_acceptance_length"] >= 1 and fixed["speedup_vs_autoregressive"] > 0
         assert len(fixed["acceptance_by_position"]) <= PRESETS["smollm2-135m"].block_size - 1
-        assert set(fixed["verify_lengths"]) == {"8"} and set(auto["verify_lengths"]) <= {"1", "2", "4", "8"}
+        # on a CPU auto may verify any length up to the block; each step counted under one draft source
+        assert set(fixed["verify_lengths"]) == {"8"} and set(auto["verify_lengths"]) <= {str(k) for k in range(1, 9)}
+        assert set(fixed["by_source"]) == {"drafter"} and "suffix" not in alone["by_source"]
+        assert sum(s["steps"] for s in auto["by_source"].values()) == sum(auto["verify_lengths"].values())
     assert (tmp_path / "bench.png").stat().st_size > 0
+    table = capsys.readouterr().err.split("prompt set", 1)[1]  # the summary table after the progress lines
+    assert "dflash auto drafter-only" in table and table.count("1/1") == 2
 
 
 def test_benchmark_compares_the_ways_to_draft_under_sampling(tmp_path):

@@ -362,7 +362,7 @@ def test_a_step_that_raises_midway_fails_its_requests_leaks_nothing_and_the_engi
         assert all(error_class(s.error) == "INTERNAL" and "out of memory" in s.error for s in held), held[0].error
         occupancy = engine.occupancy()
         assert (occupancy.running, occupancy.waiting, occupancy.used_blocks) == (0, 0, 0)
-        assert occupancy.free_slots == 2 and not engine.pending_context
+        assert occupancy.free_slots == 2 and not engine.context.pending
         after = Collector()
         loop.submit(PROMPTS[2], params, after)
         assert after.done.wait(60) and after.error is None

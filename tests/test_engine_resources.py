@@ -91,12 +91,12 @@ def test_a_step_that_stalled_on_a_capture_teaches_the_cost_model_nothing(tiny):
 
     engine.graphs.run = run_capturing_new_shapes
     observed, observe = [], engine.policy.costs.observe
-    engine.policy.costs.observe = lambda b, k, s: observed.append((b, k)) or observe(b, k, s)
+    engine.policy.costs.observe = lambda b, k, s, drafted: observed.append((b, k)) or observe(b, k, s, drafted)
     stalled, speculate = [], engine._speculate
 
-    def speculate_noting_stalls(batch, k):
+    def speculate_noting_stalls(batch, plan, suffix):
         captures = engine.graphs.captures
-        chosen = speculate(batch, k)
+        chosen = speculate(batch, plan, suffix)
         stalled.append(engine.graphs.captures > captures)
         return chosen
 

@@ -310,6 +310,15 @@ def test_metrics_sit_beside_tritons_own(default_server, in_process):
     assert host_steps >= steps and 0 < metric(default_server, "dflash_step_host_seconds_sum") / host_steps < 0.05
     assert metric(default_server, "dflash_generated_tokens_total") >= 8
     assert metric(default_server, "nv_inference_request_success") > 0
+    # every sequence step counted under its draft source, drafts accepted at most as often as made
+    assert wait_for_metric(default_server, "dflash_draft_steps_total",
+                           metric(default_server, "dflash_acceptance_length_count"))
+    with urllib.request.urlopen(default_server.metrics_url, timeout=5) as r:
+        sources = {line.split('source="')[1].split('"')[0] for line in r.read().decode().splitlines()
+                   if line.startswith("dflash_draft_steps_total{")}
+    assert sources and sources <= {"drafter", "suffix", "none"}
+    assert metric(default_server, "dflash_accepted_draft_tokens_total") <= metric(default_server,
+                                                                                 "dflash_draft_tokens_total")
 
 
 # Every way a request can be malformed, for both front models: (inputs, words the error must contain).

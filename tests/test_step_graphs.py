@@ -12,7 +12,7 @@ from conftest import BLOCK, PROMPTS, load_pair
 from dflash_runtime import SamplingParams, SpeculativeEngine
 from dflash_runtime.engine import cache_capacity
 from dflash_runtime.step_graphs import MIN_LENGTH_BUCKET, StepGraphs, batch_bucket, length_bucket, length_buckets
-from test_verify_length import Cycle, mixed_requests
+from test_verify_length import Cycle, cycle_block_size, mixed_requests
 
 
 def test_buckets():
@@ -32,7 +32,7 @@ def test_step_graphs_without_cuda_run_the_pass_itself():
     assert not graphs.graphs
 
 
-@pytest.mark.parametrize("schedule", [[BLOCK], [1, 16, 2, 8, 4, 1, 1, 16]])
+@pytest.mark.parametrize("schedule", [[BLOCK], [1, 16, 2, 8, 4, 1, 1, 16], ["suffix 8", 1, 16, "suffix 16"]])
 def test_static_shapes_are_lossless_with_padding_rows(tiny, schedule):
     """More requests than slots and different lengths: slots free up, so steps run over padding rows (3
     sequences run as 4 rows, the batch bucket); greedy and sampled requests side by side, any verify length."""
@@ -40,8 +40,9 @@ def test_static_shapes_are_lossless_with_padding_rows(tiny, schedule):
     params = mixed_requests() * 2
     prompts = PROMPTS * 2
     plain = [s.output_ids for s in SpeculativeEngine(target, block_size=1, max_batch_size=4).generate(prompts, params)]
-    engine = SpeculativeEngine(target, drafter, block_size=BLOCK, max_batch_size=4, static_shapes=True)
-    engine._verify_length = Cycle(schedule)
+    engine = SpeculativeEngine(target, drafter, block_size=cycle_block_size(schedule), max_batch_size=4,
+                               static_shapes=True)
+    engine._plan = Cycle(schedule)
     padded, tables = [], engine._tables
     engine._tables = lambda batch, length: padded.append(None in batch) or tables(batch, length)
     assert [s.output_ids for s in engine.generate(prompts, params)] == plain

@@ -60,7 +60,8 @@ class TritonPythonModel:
                                    speculative_sampling=params["speculative_sampling"],
                                    kv_cache_tokens=int(params["kv_cache_tokens"]),
                                    prefill_chunk=int(params["prefill_chunk"]) or None,
-                                   prefix_caching=params["prefix_caching"] == "true")
+                                   prefix_caching=params["prefix_caching"] == "true",
+                                   suffix_drafts=params.get("suffix_drafts", "true") == "true")
 
         reports = queue.SimpleQueue()
         self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put,
@@ -257,6 +258,15 @@ class EngineMetrics:
         self.preemptions = family("dflash_preemptions_total", "Sequences preempted for KV blocks (requeued and "
                                   "recomputed, output unchanged)", C)
         self.totals = {"prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0}  # reported so far
+        # by draft source (a label): steps, drafts made, drafts accepted, in StepReport.draft_sources' order
+        self.source_families = [pb_utils.MetricFamily(name, description, C) for name, description in (
+            ("dflash_draft_steps_total", "Sequence steps by draft source: drafter (the DFlash drafter's block), suffix "
+             "(a continuation of the request's own earlier text), none (no draft)"),
+            ("dflash_draft_tokens_total", "Drafts verified, by draft source"),
+            ("dflash_accepted_draft_tokens_total", "Drafts accepted, by draft source"))]
+        self.source_metrics = {}  # (family index, source) -> Metric, made when the source first reports
+        self.families += self.source_families
+        self.labels = labels
         # each metric update is a round trip to the server process: off the decoding thread
         threading.Thread(target=self._record_reports, args=(reports,), daemon=True).start()
 
@@ -291,6 +301,15 @@ class EngineMetrics:
             if total > self.totals[name]:
                 counter.increment(total - self.totals[name])
                 self.totals[name] = total
+        for source, totals in report.draft_sources.items():
+            for index, total in enumerate(totals):
+                if (index, source) not in self.source_metrics:
+                    family = self.source_families[index]
+                    self.source_metrics[index, source] = family.Metric(labels={**self.labels, "source": source})
+                    self.totals[index, source] = 0
+                if total > self.totals[index, source]:
+                    self.source_metrics[index, source].increment(total - self.totals[index, source])
+                    self.totals[index, source] = total
 
 
 def _numpy_type(data_type):
