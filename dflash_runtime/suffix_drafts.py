@@ -3,12 +3,12 @@
 When an answer repeats what its prompt or its own output already holds (code edits, rewrites, quotes, lists,
 later turns of a conversation), the tokens that followed the earlier occurrence are a good guess, and making it
 costs no drafter pass. This is SuffixDecoding's rule (arXiv 2411.04975) on one request's tokens: find the longest
-suffix of the text (up to MAX_MATCH tokens) that occurred before, then walk forward through all its earlier
-occurrences at once, taking at each position the most frequent next token (ties: the most recent occurrence's)
-and estimating its probability as that token's share of the occurrences still agreeing; stop when the path's
-probability falls below MIN_PROBABILITY. The path's cumulative probabilities are the draft's score: their sum is
-the expected number of accepted drafts by the text's own counts (verify_length.suffix_rates weighs them with what
-was measured).
+suffix of the text (up to MAX_MATCH tokens) that occurred before, then walk forward through its earlier
+occurrences at once (the MAX_OCCURRENCES most recent), taking at each position the most frequent next token
+(ties: the most recent occurrence's) and estimating its probability as that token's share of the occurrences
+still agreeing; stop when the path's probability falls below MIN_PROBABILITY. The path's cumulative
+probabilities are the draft's score: their sum is the expected number of accepted drafts by the text's own counts
+(verify_length.suffix_rates weighs them with what was measured).
 
 The index is the request's tokens in a numpy array that grows with it (4 bytes a token, within its context); one
 proposal is a vectorised scan of it, tens of microseconds for a few thousand tokens. Drafts come only from the
@@ -23,6 +23,9 @@ import numpy as np
 
 MAX_MATCH = 32  # the longest suffix matched (SuffixDecoding's tree depth bounds it the same way)
 MIN_PROBABILITY = 0.1  # a draft stops where its path's estimated probability falls below this
+# the continuation is counted over this many of the match's most recent occurrences at most: a text that repeats
+# one token thousands of times costs a step no more than a few
+MAX_OCCURRENCES = 64
 
 
 @dataclass
@@ -36,7 +39,7 @@ class TokenHistory:
     """A request's tokens (prompt, then output), appended as they are committed."""
 
     def __init__(self):
-        self.tokens = np.zeros(64, dtype=np.int64)
+        self.tokens = np.zeros(64, dtype=np.int32)
         self.length = 0
 
     def sync(self, prompt_ids: list[int], output_ids: list[int]) -> None:
@@ -62,6 +65,7 @@ class TokenHistory:
         if not ends.size:
             return None
         ends, match = _longest_match(text, ends, max_match)
+        ends = ends[-MAX_OCCURRENCES:]
         tokens, probabilities, probability = [], [], 1.0
         follow = (ends + 1).tolist()  # where each occurrence's continuation is; all < n
         while len(tokens) < max_tokens and follow:

@@ -3,8 +3,10 @@
 A step with verify length k checks the newest token plus k - 1 drafts in one target pass; k = 1 skips
 the drafter (plain decoding). Output is the target's own either way, so k may change every step.
 
-- Cost: the seconds of a step (draft + verify) at batch size B and length k. A short profile when the
-  engine starts gives every (B, k) a figure; each step's own timing then corrects its (B, k) entry.
+- Cost: the seconds of a step (draft + verify, or the verify alone when only suffix drafts are verified) at
+  batch size B and length k. A short profile when the engine starts gives every (B, k) a figure, monotone in k;
+  each step's own timing then corrects its entry, the first ones most. A plain step is taken at least every
+  PLAIN_EVERY steps: its cost is what every other is weighed against, and a busy host may have profiled it wrong.
 - Acceptance: p_j, the chance that draft j is accepted given drafts 1..j-1 were. DFlash's p_j falls
   along the block, so it is kept per position: counted over recent steps of all requests (older
   counts fade), apart for greedy requests and for each speculative sampling method (sampling accepts
@@ -14,18 +16,25 @@ the drafter (plain decoding). Output is the target's own either way, so k may ch
 - Exploration: a step at length k only observes positions < k. To keep the estimates of longer
   drafts fresh, a full-block step is spent whenever the time it costs beyond the best step has been
   saved up at EXPLORE_BUDGET of the step time (so exploring costs at most that share).
+- Sources: a row may verify its suffix draft (suffix_drafts.py) instead of the drafter's block; its acceptance
+  per position is learned apart, by the length of the match the draft came from. A step runs the drafter only
+  where some row is expected to gain more from its block than the drafter's pass costs (StepPlan).
 """
 from __future__ import annotations
 
 import math
 import platform
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 EXPLORE_BUDGET = 0.01  # share of step time that exploration may cost
-COST_SMOOTHING = 0.2  # weight of a new timing in its (B, k) estimate
+COST_SMOOTHING = 0.2  # weight of a new timing in its (B, k) estimate, once it has a few (before: 1/2, 1/3, 1/4)
+# A plain step among this many at least (the first: the FIRST_PLAIN-th step): its cost is the yardstick of every
+# other, and a profile made on a busy host may have it wrong; a step that is never taken is never corrected.
+PLAIN_EVERY = 50
+FIRST_PLAIN = 8
 ACCEPTANCE_MEMORY = 0.995  # per observation: counts fade with a horizon of ~200 observations per position
 REQUEST_PRIOR_WEIGHT = 8.0  # a request's own counts weigh as much as the global estimate after 8 observations
 
@@ -57,6 +66,7 @@ class StepCosts:
     verify_profile: dict[int, dict[int, float]] = field(default_factory=dict)  # ... of its verify alone
     observed: dict[tuple[int, int, bool], float] = field(default_factory=dict)
     profiled: dict[tuple[int, int, bool], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    observations: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         """Each batch size's seconds made monotone in k (monotone_in_length), whoever made the profile."""
@@ -75,13 +85,18 @@ class StepCosts:
         return self.profiled[key]
 
     def observe(self, batch_size: int, k: int, seconds: float, drafted: bool = True) -> None:
-        old = self.seconds(batch_size, k, drafted)
-        self.observed[batch_size, k, drafted and k > 1] = old + COST_SMOOTHING * (seconds - old)
+        """A step's own timing: the first ones move the estimate most (they overrule a profile within a few
+        steps), later ones by COST_SMOOTHING."""
+        key = batch_size, k, drafted and k > 1
+        old = self.seconds(*key)
+        self.observations[key] += 1
+        self.observed[key] = old + max(COST_SMOOTHING, 1 / (self.observations[key] + 1)) * (seconds - old)
 
     def to_json(self) -> dict:
         def rounded(profile):
             return {str(b): {str(k): round(s, 6) for k, s in ks.items()} for b, ks in profile.items()}
-        return {"device": self.device, "seconds": rounded(self.profile), "verify_seconds": rounded(self.verify_profile)}
+        return {"device": self.device, "seconds": rounded(self.profile),
+                "verify_seconds": rounded(self.verify_profile)}
 
     @classmethod
     def from_json(cls, data: dict) -> "StepCosts":
@@ -216,6 +231,7 @@ class VerifyLengthPolicy:
         # taken far less often than a long match's
         self.suffix = defaultdict(lambda: AcceptanceModel(block_size - 1))
         self.explore_credit = 0.0  # seconds of exploration saved up
+        self.since_plain = Counter()  # batch size -> steps since its last plain one
 
     def best(self, batch_size: int, expected: list[dict[int, float]],
              suffix: list[dict[int, float] | None] | None = None) -> tuple[int, bool]:
@@ -247,7 +263,7 @@ class VerifyLengthPolicy:
                suffix: list[dict[int, float] | None] | None = None) -> StepPlan:
         """The plan for a batch, given each sequence's expected tokens per length (expected_tokens) and with its
         suffix draft where it has one (suffix_expected). A full drafter block is spent now and then to keep the
-        drafter's estimates fresh (the module's docstring)."""
+        drafter's estimates fresh, and a plain step to keep its cost measured (the module's docstring)."""
         batch_size, full = len(expected), self.lengths[-1]
         k, drafted = self.best(batch_size, expected, suffix)
         if not (k == full and drafted):
@@ -257,6 +273,14 @@ class VerifyLengthPolicy:
             if self.explore_credit >= extra:
                 self.explore_credit -= max(extra, 0.0)
                 k, drafted = full, True
+        if k > 1:
+            self.since_plain[batch_size] += 1
+            measured = self.costs.observations[batch_size, 1, False]
+            if self.since_plain[batch_size] >= (PLAIN_EVERY if measured else FIRST_PLAIN):
+                k = 1
+        if k == 1:
+            self.since_plain[batch_size] = 0
+            return StepPlan(1, False)
         rows = frozenset(i for i, (e, s) in enumerate(zip(expected, suffix or [None] * batch_size))
                          if s and s[k] > (e[k] if drafted else 1.0))
         return StepPlan(k, drafted and k > 1, rows)

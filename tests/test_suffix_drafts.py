@@ -9,7 +9,7 @@ import pytest
 
 from conftest import BLOCK, PROMPTS, load_pair
 from dflash_runtime import SamplingParams, SpeculativeEngine
-from dflash_runtime.suffix_drafts import MAX_MATCH, MIN_PROBABILITY, SuffixDraft, TokenHistory
+from dflash_runtime.suffix_drafts import MAX_MATCH, MAX_OCCURRENCES, MIN_PROBABILITY, SuffixDraft, TokenHistory
 from dflash_runtime.sampling import SamplingStats
 from dflash_runtime.verify_length import StepCosts, VerifyLengthPolicy, doubling, expected_tokens, match_bucket
 
@@ -26,7 +26,7 @@ def brute_force(text: list[int], max_tokens: int) -> SuffixDraft | None:
             break
     else:
         return None
-    tokens, probabilities, probability, follow = [], [], 1.0, [i + 1 for i in ends]
+    tokens, probabilities, probability, follow = [], [], 1.0, [i + 1 for i in ends[-MAX_OCCURRENCES:]]
     while len(tokens) < max_tokens:
         follow = [i for i in follow if i < n]
         if not follow:
@@ -47,7 +47,7 @@ def brute_force(text: list[int], max_tokens: int) -> SuffixDraft | None:
 def test_drafts_match_a_brute_force_search(alphabet):
     rng = random.Random(alphabet)
     for trial in range(300):
-        n = rng.randint(1, 120)
+        n = rng.randint(1, 120 if trial % 10 else 400)  # some past MAX_OCCURRENCES occurrences of a match
         text = [rng.randrange(alphabet) for _ in range(n)]
         if trial % 3 == 0:  # repeated passages, as in an edit: a copy of an earlier stretch, then a change
             start = rng.randrange(n)
@@ -62,6 +62,16 @@ def test_drafts_match_a_brute_force_search(alphabet):
         if ours is not None:
             assert (ours.tokens, ours.match_length) == (theirs.tokens, theirs.match_length), text
             assert ours.probabilities == pytest.approx(theirs.probabilities)
+
+
+@pytest.mark.parametrize("text", [[1] * 200, [1, 2] * 150, [1, 2, 3] * 60 + [1, 2, 4] * 60 + [1, 2]])
+def test_runs_of_repeats_are_counted_over_the_latest_occurrences(text):
+    """More occurrences of the match than MAX_OCCURRENCES: the brute force's counts over the same latest ones."""
+    history = TokenHistory()
+    history.sync(text, [])
+    ours, theirs = history.propose(15), brute_force(text, 15)
+    assert (ours.tokens, ours.match_length, ours.probabilities) == (theirs.tokens, theirs.match_length,
+                                                                   pytest.approx(theirs.probabilities))
 
 
 def test_a_repeated_passage_is_drafted_in_full():

@@ -10,8 +10,9 @@ import torch
 from conftest import BLOCK, EOS, PROMPTS, load_pair
 from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine
 from dflash_runtime.drafter_context import MAX_PENDING_CONTEXT
-from dflash_runtime.verify_length import (EXPLORE_BUDGET, AcceptanceModel, StepCosts, StepPlan, VerifyLengthPolicy,
-                                          auto_in_words, device_signature, doubling, expected_tokens)
+from dflash_runtime.verify_length import (EXPLORE_BUDGET, FIRST_PLAIN, PLAIN_EVERY, AcceptanceModel, StepCosts,
+                                          StepPlan, VerifyLengthPolicy, auto_in_words, device_signature, doubling,
+                                          expected_tokens)
 
 NEW = 40
 LENGTHS = doubling(BLOCK)  # 1, 2, 4, 8, 16
@@ -175,8 +176,8 @@ def test_expected_tokens_follow_the_acceptance_curve():
 
 def test_what_auto_did_is_said_in_words():
     costly = StepCosts("test", {1: {1: 1.0, 2: 1.6, 4: 2.0, 8: 2.4}}, {1: {1: 1.0, 2: 1.2, 4: 1.5, 8: 1.8}})
-    sources = {"drafter": {"steps": 5, "drafted": 35, "accepted": 3}, "none": {"steps": 54, "drafted": 0, "accepted": 0},
-               "suffix": {"steps": 4, "drafted": 20, "accepted": 15}}
+    sources = {"drafter": {"steps": 5, "drafted": 35, "accepted": 3},
+               "none": {"steps": 54, "drafted": 0, "accepted": 0}, "suffix": {"steps": 4, "drafted": 20, "accepted": 15}}
     assert auto_in_words(costly, sources) == (
         "the drafter's block on 5 of 63 steps (3 of 35 drafts accepted), no draft on 54 of 63 steps, suffix drafts on "
         "4 of 63 steps (15 of 20 drafts accepted): here a verify of 8 tokens costs 2.4x one token with the drafter's "
@@ -216,6 +217,22 @@ def test_a_profile_slowed_at_a_short_length_is_made_monotone():
     assert [costs.seconds(1, k) for k in LENGTHS[:4]] == [0.02, 0.02, 0.03, 0.05]
     assert [costs.seconds(1, k, drafted=False) for k in (2, 4, 8)] == [0.018, 0.04, 0.04]
     assert StepCosts.from_json(costs.to_json()).profile == costs.profile
+
+
+def test_a_plain_step_is_taken_now_and_then_so_that_its_cost_stays_measured():
+    """The profile was made while the host was busy, the one-token step timed at twice its cost: drafting looks
+    cheap, and plain decoding, never taken, would never be corrected. The FIRST_PLAIN-th step is plain, then one
+    at least every PLAIN_EVERY; its timing overrules the profile at once (the first counts half)."""
+    costs = StepCosts("test", {1: {1: 2.0, 2: 2.1, 4: 2.2, 8: 2.4, 16: 2.6}})
+    policy = VerifyLengthPolicy(BLOCK, costs)
+    fair = [expected_tokens([0.3] * 15, LENGTHS, 100)]
+    plans = []
+    for _ in range(FIRST_PLAIN + 2 * PLAIN_EVERY):
+        plans.append(policy.choose(fair).k)
+        costs.observe(1, plans[-1], 1.0 if plans[-1] == 1 else costs.seconds(1, plans[-1]))
+    plain = [i for i, k in enumerate(plans) if k == 1]
+    assert plain[0] == FIRST_PLAIN - 1 and plain[1] - plain[0] <= PLAIN_EVERY
+    assert costs.seconds(1, 1) < 1.5  # halfway at the first, then on
 
 
 def test_acceptance_is_per_position_and_per_request():
