@@ -60,6 +60,15 @@ def injection_tokens(max_context: int, max_batch_size: int, block_size: int) -> 
     return 1 << (most - 1).bit_length()
 
 
+def verify_lengths(block_size: int, adaptive: bool, static_shapes: bool) -> tuple[int, ...]:
+    """The k a step may verify: the block under a fixed one; under "auto" any up to it with dynamic shapes (a CPU's
+    cost grows with every row: a draft of 5 is verified as 6 rows, not 8), the doubling lengths with static ones
+    (a graph each)."""
+    if not adaptive:
+        return (block_size,)
+    return doubling(block_size) if static_shapes else tuple(range(1, block_size + 1))
+
+
 def default_kv_cache_tokens(max_batch_size: int, max_context: int, block_size: int) -> int:
     """KV memory when none is set: what one slot of max_context per sequence took before the cache was paged."""
     return max_batch_size * cache_capacity(max_context, block_size)
@@ -114,15 +123,13 @@ class SpeculativeEngine:
         for one sequence. prefix_caching: reuse the blocks of prompts seen before (off for A/B runs). prefill_chunk:
         prompt tokens a step prefills at most while some sequence decodes, which keeps decoding during a long prompt
         (None: a prompt's whole uncached part in one pass; _prefill_budget). grammars: guided requests' compiler
-        (grammar.py; None: they are refused). suffix_drafts: under "auto", a row may verify the continuation of an
-        earlier occurrence of its own text instead of the drafter's block where that is expected to pay more
-        (suffix_drafts.py; greedy and exact-sampling rows that are not guided)."""
+        (grammar.py; None: they are refused). suffix_drafts: under "auto", rows may verify their suffix drafts
+        (suffix_drafts.py) where those are expected to pay more than the drafter's block."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
         _check_sizes(drafter, block_size, max_batch_size, prefill_chunk)
-        self.target = target
-        self.device = target.device
+        self.target, self.device = target, target.device
         self.drafter = drafter if block_size > 1 else None
         self.block_size = block_size
         max_context = min(max_context or 2048, target.config.max_position_embeddings)
@@ -150,10 +157,7 @@ class SpeculativeEngine:
         self.injection_tokens = injection_tokens(self.max_context, max_batch_size, block_size)
         self.context = DrafterContext(self.drafter, self.draft_cache, self.injection_tokens, self._tables, block_size)
         adaptive = adaptive and self.drafter is not None
-        # the k a step may verify: under "auto" any with dynamic shapes (a CPU's cost grows with every row: a draft
-        # of 5 is verified as 6 rows, not 8), the doubling lengths with static ones (a graph each)
-        lengths = doubling(block_size) if self.static_shapes else tuple(range(1, block_size + 1))
-        self.verify_lengths = lengths if adaptive else (block_size,)
+        self.verify_lengths = verify_lengths(block_size, adaptive, self.static_shapes)
         self.policy = None  # "auto"'s, made by _start_up
         self.suffix_drafts = suffix_drafts and adaptive
         self.draft_sources = DraftSources()  # every sequence's, summed since the engine started
@@ -413,21 +417,7 @@ class SpeculativeEngine:
         clock = StepClock(self.device)
         sampled = self._sampled_rows(batch, row_of, starts, k)
         lap("sample")
-        block, draft_logits = tokens, None  # block [R, k]: each row's newest token, then k - 1 drafts
-        if plan.drafted:
-            self.context.flush(batch)
-            lap("context pass")
-            key = ("draft", num_rows, k, draft_length)
-            draft_logits = self.graphs.run(key, self._pass(key), tokens, starts, self._table_for(table, draft_length))
-            lap("draft pass")
-            block = torch.cat([tokens, self._guided_drafts(batch, row_of, draft_logits, sampled)], dim=1)
-        elif k > 1:
-            block = torch.cat([tokens, tokens.new_zeros(num_rows, k - 1)], dim=1)
-        if plan.suffix_rows:
-            places = [(row_of[i], j + 1, token)
-                      for i in plan.suffix_rows for j, token in enumerate(suffix[i].tokens[:k - 1])]
-            rows, columns, values = self._to_device(list(zip(*places)))
-            block[rows, columns] = values
+        block, draft_logits = self._block(batch, row_of, plan, suffix, tokens, starts, table, draft_length, sampled)
         lap("propose")
         clock.mark()
         key = ("verify", num_rows, k, verify_length)
@@ -457,17 +447,39 @@ class SpeculativeEngine:
         if not plan.drafted:
             self.context.defer(features, positions, [(seq, row, result[row][-1]) for seq, row in zip(batch, row_of)])
             lap("context pass")
-        draft_seconds, verify_seconds = clock.intervals()
-        self.last_step_seconds["draft"] = draft_seconds
-        self.last_step_seconds["verify"] = verify_seconds
+        self.last_step_seconds["draft"], self.last_step_seconds["verify"] = clock.intervals()
         for seq in batch:
-            seq.stats.draft_seconds += draft_seconds
-            seq.stats.verify_seconds += verify_seconds
+            seq.stats.draft_seconds += self.last_step_seconds["draft"]
+            seq.stats.verify_seconds += self.last_step_seconds["verify"]
         lap("stats")
         logprobs = {row: token_logprobs(logits[row], chosen[row], seq.params)
                     for seq, row in zip(batch, row_of) if seq.params.logprobs is not None}
         lap("logprobs")
         return [(result[r][:result[r][-1] + 1], result[r][-1], logprobs.get(r)) for r in row_of]
+
+    def _block(self, batch: list[Sequence], row_of: list[int], plan: StepPlan, suffix: list[SuffixDraft | None],
+               tokens: torch.Tensor, starts: torch.Tensor, table: torch.Tensor, draft_length: int,
+               sampled: SampledRows | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block [R, k] to verify: each row's newest token (tokens [R, 1]), then k - 1 drafts: the drafter's
+        where it runs (its logits returned too; its pass reads draft_length keys), a suffix row's own over them,
+        zeros where a row has none."""
+        k, num_rows = plan.k, len(tokens)
+        block, draft_logits = tokens, None
+        if plan.drafted:
+            self.context.flush(batch)
+            self.phases.lap("context pass")
+            key = ("draft", num_rows, k, draft_length)
+            draft_logits = self.graphs.run(key, self._pass(key), tokens, starts, self._table_for(table, draft_length))
+            self.phases.lap("draft pass")
+            block = torch.cat([tokens, self._guided_drafts(batch, row_of, draft_logits, sampled)], dim=1)
+        elif k > 1:
+            block = torch.cat([tokens, tokens.new_zeros(num_rows, k - 1)], dim=1)
+        if plan.suffix_rows:
+            places = [(row_of[i], j + 1, token)
+                      for i in plan.suffix_rows for j, token in enumerate(suffix[i].tokens[:k - 1])]
+            rows, columns, values = self._to_device(list(zip(*places)))
+            block[rows, columns] = values
+        return block, draft_logits
 
     def _tables(self, batch: list[Sequence | None], length: int) -> torch.Tensor:
         """The block tables [len(batch), W] of sequences (None: a padding row) for passes reading `length` keys."""

@@ -238,22 +238,20 @@ def test_each_front_model_counts_a_good_and_a_refused_request_and_times_the_good
     reason = results[-1].as_numpy("finish_reason").item().decode()
     message = refusal(served.server.grpc_url, model, dict(prompt, max_tokens=6, top_p=2.0))
     assert "top_p must be in (0, 1]" in message
+    # Triton's own counts, as deploy/README.md says (2.51): a Python model's request counts as a success once its
+    # execute() returns, whatever it answers; the ensemble counts its refusal twice, as failures. Triton counts an
+    # ensemble's request when the ensemble ends, which may be after the front model's own metrics: waited for too.
+    tritons = {"nv_inference_request_success": 1, "nv_inference_request_failure": 2} if model == "ensemble" else \
+        {"nv_inference_request_success": 2, "nv_inference_request_failure": 0}
     expected = {**requests_of(model, **{reason: 1, "refused__INVALID_ARG": 1}),
-                **histograms_of(model, ttft=1, itl=tokens_after_the_first_response(results), e2e=1)}
+                **histograms_of(model, ttft=1, itl=tokens_after_the_first_response(results), e2e=1),
+                **{(name, frozenset({("model", model)})): count for name, count in tritons.items()}}
     after = served.wait_for(before, expected)
     for (name, labels), want in expected.items():
         assert delta(after, before, name, **dict(labels)) == want, (name, dict(labels))
     assert delta(after, before, "dflash_requests_total", model=model) == 2  # nothing else
     for other in set(FRONT_MODELS) - {model}:  # each request counted once, at the front the client called
         assert delta(after, before, "dflash_requests_total", model=other) == 0, other
-    # Triton's own counts, as deploy/README.md says (2.51): a Python model's request counts as a success once its
-    # execute() returns, whatever it answers; the ensemble counts its refusal twice, as failures
-    if model == "ensemble":
-        assert delta(after, before, "nv_inference_request_success", model="ensemble") == 1
-        assert delta(after, before, "nv_inference_request_failure", model="ensemble") == 2
-    else:
-        assert delta(after, before, "nv_inference_request_success", model=model) == 2
-        assert delta(after, before, "nv_inference_request_failure", model=model) == 0
 
 
 def test_cancelled_streams_and_http_generate_refusals_are_counted_at_their_front(served, prompt_ids):
