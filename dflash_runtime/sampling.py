@@ -389,7 +389,7 @@ class SamplingStats:
     draft_tokens: int = 0  # drafts verified
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-    sources: "DraftSources" = field(default_factory=lambda: DraftSources())
+    sources: DraftSources = field(default_factory=DraftSources)
     suffix_accepted_by_position: list[int] = field(default_factory=list)  # as above, for suffix drafts
     suffix_reached_by_position: list[int] = field(default_factory=list)
 
