@@ -339,18 +339,17 @@ class SpeculativeEngine:
             reached = min(drafted, accepted + 1)
         else:
             accepted = reached = max(emitted - 1, 0)  # 0 emitted: a guided sequence whose grammar took none
-        kind = seq.params.acceptance_kind
-        if suffix is None:
+        if suffix is not None:
+            source, own = "suffix", min(len(suffix.tokens), drafted)
+        else:
             source, own = ("drafter", drafted) if plan.drafted else ("none", 0)
-            seq.stats.record(accepted, drafted, reached, source, own)
-            self.draft_sources.count(source, own, min(accepted, own))
-            if self.policy is not None and plan.drafted:
-                self.policy.acceptance[kind].observe(accepted, reached)
-            return
-        own = min(len(suffix.tokens), drafted)
-        seq.stats.record(accepted, drafted, reached, "suffix", own)
-        self.policy.suffix[kind, match_bucket(suffix.match_length)].observe(min(accepted, own), min(reached, own))
-        self.draft_sources.count("suffix", own, min(accepted, own))
+        seq.stats.record(accepted, drafted, reached, source, own)
+        self.draft_sources.count(source, own, min(accepted, own))
+        kind = seq.params.acceptance_kind
+        if source == "drafter" and self.policy is not None:
+            self.policy.acceptance[kind].observe(accepted, reached)
+        elif source == "suffix":
+            self.policy.suffix[kind, match_bucket(suffix.match_length)].observe(min(accepted, own), min(reached, own))
 
     def _prefill(self, parts: list[tuple[Sequence, int]]) -> list[tuple[list[int], list | None]]:
         """One target pass over tokens [seq.num_computed, end) of each (seq, end), after what the cache holds;

@@ -265,6 +265,7 @@ class VerifyLengthPolicy:
         suffix draft where it has one (suffix_expected). A full drafter block is spent now and then to keep the
         drafter's estimates fresh, and a plain step to keep its cost measured (the module's docstring)."""
         batch_size, full = len(expected), self.lengths[-1]
+        suffix = suffix or [None] * batch_size
         k, drafted = self.best(batch_size, expected, suffix)
         if not (k == full and drafted):
             step_seconds = self.costs.seconds(batch_size, k, drafted)
@@ -281,6 +282,6 @@ class VerifyLengthPolicy:
         if k == 1:
             self.since_plain[batch_size] = 0
             return StepPlan(1, False)
-        rows = frozenset(i for i, (e, s) in enumerate(zip(expected, suffix or [None] * batch_size))
+        rows = frozenset(i for i, (e, s) in enumerate(zip(expected, suffix))
                          if s and s[k] > (e[k] if drafted else 1.0))
         return StepPlan(k, drafted and k > 1, rows)

@@ -95,8 +95,8 @@ class StepReport:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
-    # draft source ("drafter", "suffix", "none") -> (steps, drafts made, drafts accepted)
-    draft_sources: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # draft source ("drafter", "suffix", "none") -> {"steps", "drafted", "accepted"} (DraftSources.summary)
+    draft_sources: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -346,7 +346,7 @@ class EngineLoop:
                     self._requests.pop(seq, None)
 
     def _report(self, outputs: list[StepOutput], cancelled: int, phases: dict[str, float]) -> StepReport:
-        occupancy, sources = self.engine.occupancy(), self.engine.draft_sources
+        occupancy = self.engine.occupancy()
         stepped = bool(phases)  # an iteration that ran no step must not report the last step's figures again
         return StepReport(
             acceptance_lengths=[o.acceptance_length for o in outputs if o.acceptance_length is not None],
@@ -363,8 +363,7 @@ class EngineLoop:
             prefix_queried_tokens=occupancy.prefix_queried_tokens,
             prefix_hit_tokens=occupancy.prefix_hit_tokens,
             preemptions=occupancy.preemptions,
-            draft_sources={source: (sources.steps[source], sources.drafted[source], sources.accepted[source])
-                           for source in sources.steps},
+            draft_sources=self.engine.draft_sources.summary(),
         )
 
 

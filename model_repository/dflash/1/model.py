@@ -258,14 +258,14 @@ class EngineMetrics:
         self.preemptions = family("dflash_preemptions_total", "Sequences preempted for KV blocks (requeued and "
                                   "recomputed, output unchanged)", C)
         self.totals = {"prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0}  # reported so far
-        # by draft source (a label): steps, drafts made, drafts accepted, in StepReport.draft_sources' order
-        self.source_families = [pb_utils.MetricFamily(name, description, C) for name, description in (
-            ("dflash_draft_steps_total", "Sequence steps by draft source: drafter (the DFlash drafter's block), suffix "
-             "(a continuation of the request's own earlier text), none (no draft)"),
-            ("dflash_draft_tokens_total", "Drafts verified, by draft source"),
-            ("dflash_accepted_draft_tokens_total", "Drafts accepted, by draft source"))]
-        self.source_metrics = {}  # (family index, source) -> Metric, made when the source first reports
-        self.families += self.source_families
+        # by draft source (a label), for each count of StepReport.draft_sources
+        self.source_families = {count: pb_utils.MetricFamily(name, description, C) for count, name, description in (
+            ("steps", "dflash_draft_steps_total", "Sequence steps by draft source: drafter (the DFlash drafter's "
+             "block), suffix (a continuation of the request's own earlier text), none (no draft)"),
+            ("drafted", "dflash_draft_tokens_total", "Drafts verified, by the source that made them"),
+            ("accepted", "dflash_accepted_draft_tokens_total", "Drafts accepted, by the source that made them"))}
+        self.source_metrics = {}  # (count, source) -> Metric, made when the source first reports
+        self.families += self.source_families.values()
         self.labels = labels
         # each metric update is a round trip to the server process: off the decoding thread
         threading.Thread(target=self._record_reports, args=(reports,), daemon=True).start()
@@ -301,15 +301,15 @@ class EngineMetrics:
             if total > self.totals[name]:
                 counter.increment(total - self.totals[name])
                 self.totals[name] = total
-        for source, totals in report.draft_sources.items():
-            for index, total in enumerate(totals):
-                if (index, source) not in self.source_metrics:
-                    family = self.source_families[index]
-                    self.source_metrics[index, source] = family.Metric(labels={**self.labels, "source": source})
-                    self.totals[index, source] = 0
-                if total > self.totals[index, source]:
-                    self.source_metrics[index, source].increment(total - self.totals[index, source])
-                    self.totals[index, source] = total
+        for source, counts in report.draft_sources.items():
+            for count, total in counts.items():
+                key = count, source
+                if key not in self.source_metrics:
+                    labels = {**self.labels, "source": source}
+                    self.source_metrics[key], self.totals[key] = self.source_families[count].Metric(labels=labels), 0
+                if total > self.totals[key]:
+                    self.source_metrics[key].increment(total - self.totals[key])
+                    self.totals[key] = total
 
 
 def _numpy_type(data_type):
