@@ -28,7 +28,7 @@ from builder.staging import partial_folder, publish, remove_abandoned
 from dflash_contract import DFlashError
 from dflash_contract.layout import (DRAFTER_DIR, MANIFEST_FILE, REPOSITORY_DIR, TARGET_DIR, TRTLLM_OPTIONS_FILE,
                                     VERIFY_PROFILE_FILE, build_key, file_hashes, in_build, read_manifest)
-from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_SPECULATIVE_SAMPLING, PRESETS
+from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_KV_CONTEXT, DEFAULT_SPECULATIVE_SAMPLING, PRESETS
 from dflash_runtime.checkpoint import is_hub_id, resolve_checkpoint, resolve_target
 from dflash_runtime.config import DrafterConfig, TargetConfig, TransformerShape, read_json
 from dflash_runtime.verify_length import StepCosts, auto_in_words
@@ -44,7 +44,7 @@ class Inputs:
     drafter: DrafterConfig | None
     preset: str | None
     block_size: int | str  # or "auto"
-    max_context: int
+    max_context: int | None  # None: a dry run without the target's config
     target_ref: str = ""  # as given: a preset's repo id or a path
     drafter_ref: str | None = None
     missing: tuple[str, ...] = ()  # what a dry run could not find, each with how to fetch it
@@ -111,9 +111,24 @@ def resolve_inputs(opts: BuildOptions, missing_ok: bool = False) -> Inputs:
         raise DFlashError(f"--block-size {block_size} needs a drafter")
     check_parallel_split(opts, target_config.shape if target_config else None,
                          drafter_config.shape if drafter_config else None)
-    max_context = opts.max_context or (preset.max_context if preset else 2048)
-    return Inputs(target_dir, drafter_dir, drafter_config, preset.name if preset else None, block_size, max_context,
+    name = preset.name if preset else None
+    max_context = opts.max_context or default_max_context(opts.runtime, name, target_config)
+    return Inputs(target_dir, drafter_dir, drafter_config, name, block_size, max_context,
                   target_ref, drafter_ref, tuple(missing))
+
+
+def kv_context(preset: str | None) -> int:
+    """The context per batch place that the default KV pool is sized for (Preset.kv_context)."""
+    return PRESETS[preset].kv_context if preset else DEFAULT_KV_CONTEXT
+
+
+def default_max_context(runtime: str, preset: str | None, target_config: TargetConfig | None) -> int | None:
+    """A sequence's limit without --max-context. Our runtime: the target's own, bounded by the KV pool that all
+    sequences share. TensorRT-LLM reserves DFlash's context cache per batch place for max_seq_len positions, so
+    there it is the pool's context per place (kv_context), as before."""
+    if runtime == "trtllm":
+        return kv_context(preset)
+    return target_config.max_position_embeddings if target_config else None
 
 
 def fetch_command(inputs: Inputs) -> str:
@@ -186,7 +201,7 @@ def plan(inputs: Inputs, opts: BuildOptions, output: Path) -> list[str]:
     steps.append(f"copy the drafter into {output / DRAFTER_DIR}" if inputs.drafter_ref else "no drafter to copy")
     if opts.runtime == "torch":
         steps.append(f"render the Triton model repository ({', '.join(TORCH_MODELS)}) into {output / REPOSITORY_DIR}: "
-                     f"max batch {opts.max_batch_size}, context {inputs.max_context}, KV cache "
+                     f"max batch {opts.max_batch_size}, context {inputs.max_context or 'as the target allows'}, KV cache "
                      f"{kv_cache_tokens(inputs, opts)} tokens, {opts.dtype} on {opts.device}, "
                      f"speculative sampling {opts.speculative_sampling}")
     else:
@@ -224,7 +239,9 @@ def kv_cache_tokens(inputs: Inputs, opts: BuildOptions) -> int:
     """The torch runtime's KV memory in tokens: --kv-cache-tokens, else the engine's default for the build."""
     from dflash_runtime.engine import default_kv_cache_tokens
 
-    return opts.kv_cache_tokens or default_kv_cache_tokens(opts.max_batch_size, inputs.max_context, inputs.block_width)
+    per_place = kv_context(inputs.preset)
+    return opts.kv_cache_tokens or default_kv_cache_tokens(opts.max_batch_size, inputs.max_context or per_place,
+                                                           inputs.block_width, per_place)
 
 
 def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:

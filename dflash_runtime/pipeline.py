@@ -12,7 +12,7 @@ from dflash_contract.presets import AUTO_BLOCK_SIZE, Preset
 
 from .checkpoint import resolve_checkpoint, resolve_target
 from .drafter import DFlashDrafter, load_drafter
-from .engine import SpeculativeEngine
+from .engine import SpeculativeEngine, default_kv_cache_tokens
 from .grammar import GrammarCompiler
 from .target import TargetModel, load_target
 from .verify_length import StepCosts
@@ -51,13 +51,17 @@ class Pipeline:
 
     def engine(self, block_size: int | str | None = AUTO_BLOCK_SIZE, max_batch_size: int = 8,
                max_context: int | None = None, step_costs: StepCosts | None = None,
-               **sampling) -> SpeculativeEngine:
-        """sampling: SpeculativeEngine's draft_sharpness and speculative_sampling, where not the defaults."""
-        if max_context is None and self.preset is not None:
-            max_context = self.preset.max_context
+               kv_cache_tokens: int | None = None, **options) -> SpeculativeEngine:
+        """options: SpeculativeEngine's, where not the defaults. Without kv_cache_tokens the KV pool is sized by the
+        preset (Preset.kv_context per batch place)."""
+        if kv_cache_tokens is None and self.preset is not None:
+            context = max_context or self.target.config.max_position_embeddings
+            widest = self.drafter.config.block_size if self.drafter else 1
+            kv_cache_tokens = default_kv_cache_tokens(max_batch_size, context, widest, self.preset.kv_context)
         return SpeculativeEngine(self.target, self.drafter, block_size=block_size, max_batch_size=max_batch_size,
                                  max_context=max_context, decode=self.decode if self.tokenizer else None,
-                                 step_costs=step_costs, grammars=self.grammars(), **sampling)
+                                 step_costs=step_costs, grammars=self.grammars(), kv_cache_tokens=kv_cache_tokens,
+                                 **options)
 
     def grammars(self) -> GrammarCompiler | None:
         """The compiler of guided requests' grammars: None without a tokenizer or without xgrammar (an engine

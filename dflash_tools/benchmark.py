@@ -31,8 +31,8 @@ from dataclasses import replace
 import torch
 
 from dflash_contract import DFlashError
-from dflash_contract.presets import (AUTO_BLOCK_SIZE, CPU_WEIGHTS, DEFAULT_PRESET, DEFAULT_SPECULATIVE_SAMPLING,
-                                     SPECULATIVE_SAMPLING, block_size_argument)
+from dflash_contract.presets import (AUTO_BLOCK_SIZE, CPU_WEIGHTS, DEFAULT_KV_CONTEXT, DEFAULT_PRESET,
+                                     DEFAULT_SPECULATIVE_SAMPLING, SPECULATIVE_SAMPLING, block_size_argument)
 from dflash_runtime.sampling import DRAFT_SHARPNESS_CHOICES, SamplingParams, SamplingStats
 
 from .prompts import prompt_set, second_turns
@@ -225,7 +225,7 @@ def run(args) -> dict:
     print(f"[projections] {projections(pipe)}", file=sys.stderr)
     llama = None
     if args.vs_llama_cpp:
-        llama = load_llama_cpp(pipe, torch.get_num_threads(), pipe.preset.max_context if pipe.preset else 4096)
+        llama = load_llama_cpp(pipe, torch.get_num_threads(), pipe.preset.kv_context if pipe.preset else DEFAULT_KV_CONTEXT)
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM

@@ -88,10 +88,38 @@ def test_max_tokens_and_completions(client, grpc):
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
-def test_a_default_max_tokens_is_lowered_to_the_context_left_and_a_sent_one_is_not(client, default_build):
+SHORT_CONTEXT = 384  # a prompt that fills it prefills in seconds on a CPU (the default build's 8,192: minutes)
+
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    """The embedded default built with --max-context SHORT_CONTEXT and served with the gateway: an OpenAI client and
+    the build."""
+    from builder.build import BuildOptions, build
+    from deploy.serve import start_server
+
+    output = tmp_path_factory.mktemp("builds") / "short-context"
+    build(BuildOptions(target=MODEL, drafter="preset", max_batch_size=2, max_context=SHORT_CONTEXT, sanity_tokens=0),
+          output)
+    log = tmp_path_factory.mktemp("short-context-server") / "tritonserver.log"
+    with start_server(output / "model_repository", 0, 0, 0, log_path=log, openai_port=0) as server:
+        with openai.OpenAI(base_url=f"{server.gateway.url}/v1", api_key="unused", max_retries=0) as c:
+            yield c, output
+
+
+def test_the_default_context_is_the_targets_own(default_build):
+    """SmolLM2's 8,192 positions (its config.json), not a per-place size: the KV pool that all sequences share
+    (8 places of 2,048) holds one sequence of 8,192 with room to spare."""
+    values = (default_build / "model_repository" / "dflash" / "config.pbtxt").read_text()
+    assert 'parameters { key: "max_context" value: { string_value: "8192" } }' in values
+    assert 'parameters { key: "kv_cache_tokens" value: { string_value: "16512" } }' in values
+
+
+def test_a_default_max_tokens_is_lowered_to_the_context_left_and_a_sent_one_is_not(short_context):
     """Without max_tokens a long prompt gets what the context leaves (vLLM's rule): only a prompt that fills the
     context is refused. A max_tokens the client sent past the context is refused, as before."""
-    tokenizer, context = load_tokenizer(default_build / "target"), 2048  # the default build's context limit
+    client, build = short_context
+    tokenizer, context = load_tokenizer(build / "target"), SHORT_CONTEXT
 
     def conversation(words: int) -> list[dict]:
         return [{"role": "user", "content": "Repeat after me: " + "blue sky " * words}]

@@ -193,7 +193,7 @@ def test_a_one_token_answer_reports_no_acceptance_on_every_door(default_server, 
 
 HTTP_GENERATE_ANSWERS = [  # body -> (status, the error's words, its class): clients/README.md's table
     ('{"text_input": "Hi", "max_tokens": 4, "top_p": 2.0}', 400, "invalid request: top_p must be in (0, 1]"),
-    ('{"text_input": "Hi", "max_tokens": 100000}', 400, "exceeds the context limit of 2048 tokens"),
+    ('{"text_input": "Hi", "max_tokens": 100000}', 400, "exceeds the context limit of 8192 tokens"),
     ('{"text_input": "Hi", "max_tokens": 4', 500, "failed to parse the request JSON buffer"),
     ('[1, 2]', 500, "attempt to get members for non-object"),
     ('{"text_input": "Hi", "max_tokens": "4"}', 500, "Unable to parse 'data'"),
@@ -345,8 +345,8 @@ BAD_REQUESTS = {
                                         max_tokens=np.array([[8], [8]], dtype=np.int32)),
                                    "invalid request: text_input must hold one value per request, got shape [2, 1]"),
     "max_tokens 0": (dict(text_input="Hi", max_tokens=0), "invalid request: max_tokens must be >= 1, got 0"),
-    "max_tokens over the limit": (dict(text_input="Hi", max_tokens=100000), "exceeds the context limit of 2048"),
-    "prompt over the context limit": (dict(text_input="word " * 2100, max_tokens=8), "the context limit is 2048"),
+    "max_tokens over the limit": (dict(text_input="Hi", max_tokens=100000), "exceeds the context limit of 8192"),
+    "prompt over the context limit": (dict(text_input="word " * 8300, max_tokens=8), "the context limit is 8192"),
     "negative temperature": (dict(text_input="Hi", max_tokens=8, temperature=-1.0),
                              "invalid request: temperature must be >= 0, got -1.0"),
     "NaN temperature": (dict(text_input="Hi", max_tokens=8, temperature=float("nan")),
@@ -484,7 +484,7 @@ def test_restart_on_the_same_repository_and_shutdown_with_a_request_in_flight(de
     with start_server(repository, 0, 0, 0, log_path=tmp_path / "first.log") as server:
         assert streamed_text(server.grpc_url, QUESTIONS[4], 24)[0] == in_process[QUESTIONS[4]]
         # the engine's start-up report (on a GPU it counts the CUDA graphs captured)
-        assert "dflash: engine ready on cpu, max batch 8, context 2048, KV cache 16512 tokens (1032 blocks of 16, " \
+        assert "dflash: engine ready on cpu, max batch 8, context 8192, KV cache 16512 tokens (1032 blocks of 16, " \
             in server.log()
         assert "prefix caching on, prefill chunk 128: no CUDA graphs" in server.log()
     server = start_server(repository, 0, 0, 0, log_path=tmp_path / "second.log", drain_seconds=2)
