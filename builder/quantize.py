@@ -21,7 +21,6 @@ import contextlib
 import itertools
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -32,14 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from builder.options import check_quant_formats
 from dflash_contract import DFlashError
 from dflash_runtime.target import load_target
-from dflash_runtime.text import encode_prompt, load_tokenizer
+from dflash_runtime.text import load_tokenizer
 from dflash_tools.prompts import sharegpt_conversations
+from dflash_tools.quality import chat_text, heldout_set, measure, runtime_logits
 
 
 @dataclass(frozen=True)
@@ -143,7 +142,7 @@ def _quantize(target_dir: Path, staging: Path, tokenizer, opts: QuantizeOptions,
     del model
     with _timed(seconds, "evaluation"):
         runtime = load_target(staging, opts.model_dtype, opts.device)
-        evaluation["dequantized"] = _measure_against(_runtime_logits(runtime), reference, "dequantized", progress)
+        evaluation["dequantized"] = _measure_against(runtime_logits(runtime), reference, "dequantized", progress)
     return _report(target_dir, staging, opts, config_name, calibration, reference, evaluation, seconds)
 
 
@@ -280,27 +279,7 @@ def calibration_set(tokenizer, samples: int, max_tokens: int, seed: int) -> list
     if len(pool) < samples:
         raise DFlashError(f"--calib-samples {samples}: ShareGPT's training split has only {len(pool)} conversations")
     chosen = random.Random(seed).sample(pool, samples)
-    return [_chat_text(tokenizer, prompt, reply, max_tokens) for prompt, reply in chosen]
-
-
-def heldout_set(tokenizer, texts: int, max_tokens: int, prompts: int,
-                max_prompt_tokens: int = 128) -> tuple[list[list[int]], list[list[int]]]:
-    """Texts for perplexity and short prompts for greedy agreement, from ShareGPT's held-out split."""
-    chosen, short = [], []
-    for prompt, reply in sharegpt_conversations("heldout"):
-        if len(chosen) < texts:
-            chosen.append(_chat_text(tokenizer, prompt, reply, max_tokens))
-        ids = encode_prompt(tokenizer, prompt)
-        if len(short) < prompts and len(ids) <= max_prompt_tokens:
-            short.append(ids)
-        if len(chosen) == texts and len(short) == prompts:
-            break
-    return chosen, short
-
-
-def _chat_text(tokenizer, prompt: str, reply: str, max_tokens: int) -> list[int]:
-    ids = encode_prompt(tokenizer, prompt) + tokenizer.encode(reply, add_special_tokens=False)
-    return ids[:max_tokens]
+    return [chat_text(tokenizer, prompt, reply, max_tokens) for prompt, reply in chosen]
 
 
 def _eos_id(model, tokenizer) -> int | None:
@@ -323,43 +302,6 @@ def _hf_logits(model):
     def logits(ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids], device=model.device)).logits[0].float()
     return logits
-
-
-def _runtime_logits(target):
-    @torch.no_grad()
-    def logits(ids: list[int]) -> torch.Tensor:
-        out, _ = target.whole_pass(torch.tensor([ids], device=target.device))
-        return out[0].float()
-    return logits
-
-
-def measure(logits_fn, texts: list[list[int]], paths: list[tuple[list[int], int]], baseline: dict | None,
-            label: str, progress: bool) -> dict:
-    """Held-out perplexity and, against a baseline, greedy agreement along the baseline's greedy paths.
-
-    Teacher-forced along the unquantized model's greedy continuation: the first position where this
-    model's argmax differs is where its own greedy decoding would leave that continuation.
-    """
-    nll, count = 0.0, 0
-    for ids in tqdm(texts, desc=f"perplexity ({label})", disable=not progress, file=sys.stderr):
-        logits = logits_fn(ids)
-        nll += F.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device), reduction="sum").item()
-        count += len(ids) - 1
-    argmax = [logits_fn(path)[start - 1:len(path) - 1].argmax(-1).tolist() for path, start in paths]
-    result = {"perplexity": round(math.exp(nll / count), 4), "argmax": argmax}
-    if baseline is None:
-        return result
-    result.pop("argmax")
-    matches = [[a == b for a, b in zip(mine, ref)] for mine, ref in zip(argmax, baseline["argmax"])]
-    first = [m.index(False) if False in m else len(m) for m in matches]
-    result["perplexity_change"] = round(result["perplexity"] / baseline["perplexity"] - 1, 4)
-    result["greedy_agreement"] = {
-        "matching_fraction": round(sum(map(sum, matches)) / max(1, sum(map(len, matches))), 4),
-        "first_divergence": first,  # per prompt; == tokens compared when greedy decoding never diverged
-        "mean_first_divergence": round(sum(first) / max(1, len(first)), 2),
-        "tokens_compared": [len(m) for m in matches],
-    }
-    return result
 
 
 def export(model, tokenizer, out: Path, dtype: torch.dtype) -> None:

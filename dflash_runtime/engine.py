@@ -28,6 +28,7 @@ from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_KV_CONTEXT, DEFAUL
                                      check_speculative_sampling)
 
 from .config import DFlashError
+from .counter_noise import DRAFT
 from .drafter import DFlashDrafter
 from .drafter_context import MAX_PENDING_CONTEXT, DrafterContext
 from .block_manager import BlockManager
@@ -36,8 +37,8 @@ from .logprobs import token_logprobs
 from .penalties import apply_penalties, penalised
 from .kv_cache import BLOCK_SIZE, null_padded
 from .kv_injection.op import KERNEL_IS_FASTER
-from .sampling import (DRAFT, DraftSources, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens,
-                       greedy_tokens, proposal_hits, propose_tokens, rejection_choices, sampling_scores, to_device)
+from .sampling import (DraftSources, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens, greedy_tokens,
+                       proposal_hits, propose_tokens, rejection_choices, sampling_scores, to_device)
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence, Status
 from .step_clock import PhaseTimer, StepClock

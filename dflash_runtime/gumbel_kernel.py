@@ -1,6 +1,6 @@
 """The Gumbel-max of sampled decoding as one OpenAI Triton kernel: argmax(scores * scale + noise) per row.
 
-The noise is sampling.uniforms' counter hash, computed in registers from the row's key (its seed, position
+The noise is counter_noise.uniforms' hash, computed in registers from the row's key (its seed, position
 and stream) and each token's index, and never stored: a pass over the scores is the whole cost, where the
 eager path writes and reads the [rows, vocab] noise a dozen times (a verify of 32 x 16 positions over a
 152K vocabulary is 78M noise values). One program per row streams the vocabulary in blocks, keeping the
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import UNIFORM_BITS
+from .counter_noise import UNIFORM_BITS
 
 BLOCK_V = 1024
 NUM_WARPS = 4
@@ -20,7 +20,7 @@ NUM_WARPS = 4
 
 @triton.jit
 def _mix32(x):
-    """sampling._mix32 on uint32 lanes: products wrap modulo 2^32 as the eager version's masks do."""
+    """counter_noise._mix32 on uint32 lanes: products wrap modulo 2^32 as the eager version's masks do."""
     x = x ^ (x >> 16)
     x = x * 0x21F0AAAD
     x = x ^ (x >> 15)
@@ -52,7 +52,7 @@ def gumbel_argmax_kernel(scores, keys, out, vocab, scale, BITS: tl.constexpr, BL
 
 
 def gumbel_argmax_triton(scores: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """scores [M, V] (float), keys [M] int64 (sampling.position_keys) -> the argmax [M] (long) of
+    """scores [M, V] (float), keys [M] int64 (counter_noise.position_keys) -> the argmax [M] (long) of
     scores * scale + the noise of each row's key."""
     scores = scores.contiguous()
     out = torch.empty(len(scores), dtype=torch.int32, device=scores.device)

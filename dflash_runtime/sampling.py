@@ -10,7 +10,6 @@ matches whenever both argmaxes agree, not only when the target happens to sample
 """
 from __future__ import annotations
 
-import functools
 import os
 import random
 from collections import Counter
@@ -22,6 +21,7 @@ from dflash_contract.guided_decoding import Guide
 from dflash_contract.presets import check_speculative_sampling
 
 from .config import DFlashError
+from .counter_noise import ACCEPT, MASK32, RESIDUAL, TARGET, gumbel_noise, position_keys, uniforms
 
 
 @dataclass(frozen=True)
@@ -87,56 +87,12 @@ class SamplingParams:
 DRAFT_SHARPNESS_CHOICES = (0.0, 0.25, 0.5, 1.0)
 DEFAULT_DRAFT_SHARPNESS = 0.5
 PROPOSAL_MEMORY = 0.998  # per step: the hit counts fade with a horizon of ~500 steps (near rules differ by a few %)
-_MASK32 = 0xFFFFFFFF
-UNIFORM_BITS = 23  # (m + 0.5) / 2^23 is exact in float32, so no uniform rounds to 0 or 1
 # Where the Gumbel-max runs: "auto" (the Triton kernel on CUDA, eager elsewhere), "eager", or "triton" (also on a
 # CPU under TRITON_INTERPRET=1, as the tests do). Read once.
 GUMBEL_IMPLEMENTATIONS = ("auto", "eager", "triton")
 GUMBEL_IMPLEMENTATION = os.environ.get("DFLASH_GUMBEL", "auto")
 if GUMBEL_IMPLEMENTATION not in GUMBEL_IMPLEMENTATIONS:
     raise ValueError(f"DFLASH_GUMBEL={GUMBEL_IMPLEMENTATION!r}: expected one of {', '.join(GUMBEL_IMPLEMENTATIONS)}")
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash of int64 values in [0, 2^32) (hash-prospector's two-round mixer): both
-    multipliers are below 2^31, so no int64 product overflows, on any device."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _MASK32
-    return x ^ (x >> 15)
-
-
-# Noise streams: independent noise of one (seed, position) for each use. The target's samples and the drafts that
-# guess them share TARGET; rejection sampling's draws from the drafter, its acceptance tests and its resampling
-# each take their own, as its proof needs.
-TARGET, DRAFT, ACCEPT, RESIDUAL = range(4)
-
-
-def position_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int = TARGET) -> torch.Tensor:
-    """The 32-bit key [N, T] (int64) of each (seed, position, stream). seeds: [N, 2] int64, each seed's low and
-    high 32 bits; positions: [N, T]."""
-    row = _mix32(_mix32(_mix32(seeds[:, 0]) ^ seeds[:, 1]) ^ stream)[:, None]
-    return _mix32(row ^ (positions & _MASK32))
-
-
-def uniforms(seeds: torch.Tensor, positions: torch.Tensor, count: int, stream: int = TARGET) -> torch.Tensor:
-    """Uniform numbers [N, T, count] in (0, 1), float32, made on the device of `seeds`: entry (n, t, i)
-    depends only on (seeds[n], positions[n, t], i, stream). Per entry one XOR and one hash: each index's own
-    hash is made once (_index_keys), as are the keys of the positions."""
-    bits = _mix32(_index_keys(count, seeds.device) ^ position_keys(seeds, positions, stream)[..., None])
-    return ((bits >> (32 - UNIFORM_BITS)).float() + 0.5) * 2.0 ** -UNIFORM_BITS
-
-
-@functools.cache
-def _index_keys(count: int, device: torch.device) -> torch.Tensor:
-    """The hashes of 0..count-1, kept per (count, device): a vocabulary's are reused by every step."""
-    return _mix32(torch.arange(count, device=device) * 0x9E3779B1 & _MASK32)
-
-
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stream: int = TARGET) -> torch.Tensor:
-    """Gumbel noise [N, T, vocab] in float32: one draw per token of (seed, position, stream), see uniforms."""
-    return -torch.log(-torch.log1p(-uniforms(seeds, positions, vocab, stream)))  # exact near both ends
 
 
 class GumbelNoise:
@@ -198,7 +154,7 @@ class RowParams:
     def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> "RowParams":
         floats = to_device([[p.temperature, p.top_p] for p in params], device, torch.float32)[:, :, None, None]
         top_k = to_device([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device)[:, None, None]
-        seeds = to_device([[p.seed & _MASK32, (p.seed >> 32) & _MASK32] for p in params], device)
+        seeds = to_device([[p.seed & MASK32, (p.seed >> 32) & MASK32] for p in params], device)
         max_top_k = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
         return cls(floats[:, 0], top_k, floats[:, 1], seeds, max_top_k, all(0 < p.top_k < vocab for p in params),
                    any(p.top_p < 1 for p in params))

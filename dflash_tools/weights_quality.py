@@ -25,9 +25,9 @@ def weights_quality(target_dir, fmt: str, prompts: int, tokens: int, texts: int,
                     served=None) -> dict:
     """{format, served, float32 and format perplexity, greedy agreement} for the target at target_dir; served:
     that target already loaded in fmt (a build's sanity run has it), else loaded here."""
-    from builder.quantize import _runtime_logits, heldout_set, measure
     from dflash_runtime import SamplingParams, SpeculativeEngine, load_target
     from dflash_runtime.text import load_tokenizer
+    from dflash_tools.quality import heldout_set, measure, runtime_logits
 
     reference = load_target(target_dir, cpu_weights="float32")
     if served is None:
@@ -37,8 +37,8 @@ def weights_quality(target_dir, fmt: str, prompts: int, tokens: int, texts: int,
     answers = engine.generate(held_prompts, SamplingParams(max_new_tokens=tokens))
     paths = [(ids + seq.output_ids, len(ids)) for ids, seq in zip(held_prompts, answers)]
     with torch.inference_mode():
-        baseline = measure(_runtime_logits(reference), held_texts, paths, None, "float32", progress)
-        result = measure(_runtime_logits(served), held_texts, paths, baseline, fmt, progress)
+        baseline = measure(runtime_logits(reference), held_texts, paths, None, "float32", progress)
+        result = measure(runtime_logits(served), held_texts, paths, baseline, fmt, progress)
     return {"format": fmt, "served": served.served_weights.describe(), "float32_perplexity": baseline["perplexity"],
             **result}
 

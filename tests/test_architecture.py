@@ -86,6 +86,62 @@ def test_a_package_installed_alone_imports_only_what_it_ships(package):
             assert not outside, f"{path.relative_to(REPO)} imports {sorted(outside)}, which {package} does not ship"
 
 
+def import_graph(package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (relative or absolute, lazy ones included)."""
+    graph = {}
+    for path in python_files(package):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        graph[module] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = module.split(".")[:len(module.split(".")) - node.level + path.name.endswith("__init__.py")]
+                source = ".".join(base + ([node.module] if node.module else []))
+                # `from . import x` imports the module x; `from .y import x`, y (and x where it is a module)
+                names = [source] * bool(node.module) + [f"{source}.{alias.name}" for alias in node.names]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            else:
+                continue
+            graph[module] |= {n for n in names if n.split(".")[0] == package and n != module}
+    return {m: {n for n in imports if n in graph} for m, imports in graph.items()}
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph (its nodes in order, the first repeated at the end), or None."""
+    state = {}  # node -> "open" while on the path, "done" after
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = "done"
+        return None
+
+    return next((found for node in sorted(graph) if node not in state and (found := visit(node, [node]))), None)
+
+
+def test_no_import_cycles_among_packages_or_the_cores_modules():
+    """Data flows one way: a package imports only packages below it (dflash_tools holds what the builder and the
+    tools share, so no tool reaches up into the builder), and no two modules of the core import each other."""
+    ours = sorted(p.parent.name for p in REPO.glob("*/__init__.py"))
+    packages = {p: {m.split(".")[0] for path in python_files(p) for m in imported_modules(path)} & set(ours) - {p}
+                for p in ours}
+    assert cycle(packages) is None, cycle(packages)
+    assert cycle(import_graph(CORE)) is None, cycle(import_graph(CORE))
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check itself finds one
+
+
+def test_every_package_says_its_license():
+    """Apache-2.0, as the anchors (TensorRT-LLM, vLLM, SGLang, Triton's backends): the text beside the code, and the
+    license in each package's metadata, so that a wheel carries it."""
+    assert (REPO / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    for path in ("pyproject.toml", "gateway/pyproject.toml", "clients/pyproject.toml"):
+        assert tomllib.loads((REPO / path).read_text())["project"]["license"] == "Apache-2.0", path
+
+
 def test_core_functions_fit_on_a_screen():
     long = []
     for path in python_files(CORE):

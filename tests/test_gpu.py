@@ -37,7 +37,8 @@ def test_gumbel_kernel_on_the_gpu_takes_the_cpu_argmax():
     """The Gumbel-max kernel on CUDA picks the token the eager path picks on the CPU, over a Qwen3-sized
     vocabulary (an ulp of difference in the logs could move only a near-tie, unlikely in 64 random rows)."""
     from dflash_runtime.gumbel_kernel import gumbel_argmax_triton
-    from dflash_runtime.sampling import GumbelNoise, position_keys
+    from dflash_runtime.counter_noise import position_keys
+    from dflash_runtime.sampling import GumbelNoise
 
     torch.manual_seed(0)
     rows, vocab = 64, 151936

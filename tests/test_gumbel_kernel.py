@@ -18,7 +18,8 @@ KERNEL_CHECK = textwrap.dedent("""
     import json, sys, torch
     sys.path[:0] = [{repo!r}]
     from dflash_runtime.gumbel_kernel import BLOCK_V, gumbel_argmax_triton
-    from dflash_runtime.sampling import GumbelNoise, position_keys
+    from dflash_runtime.counter_noise import position_keys
+    from dflash_runtime.sampling import GumbelNoise
     torch.manual_seed(0)
     n, t, vocab = 6, 4, 2 * BLOCK_V + 452  # a vocabulary of three blocks, the last one partial
     scores = torch.randn(n, t, vocab) * 3
@@ -91,7 +92,7 @@ def test_kernel_compiles_ahead_of_time_for_hopper_and_blackwell(arch):
     from triton.compiler import ASTSource
 
     from dflash_runtime.gumbel_kernel import BLOCK_V, NUM_WARPS, gumbel_argmax_kernel
-    from dflash_runtime.sampling import UNIFORM_BITS
+    from dflash_runtime.counter_noise import UNIFORM_BITS
 
     signature = {"scores": "*fp32", "keys": "*i64", "out": "*i32", "vocab": "i32", "scale": "fp32",
                  "BITS": "constexpr", "BLOCK_V": "constexpr"}

@@ -7,8 +7,9 @@ import torch
 
 from conftest import BLOCK, EOS, PROMPTS, VOCAB, load_pair
 from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine
-from dflash_runtime.sampling import (DEFAULT_DRAFT_SHARPNESS, DRAFT, DRAFT_SHARPNESS_CHOICES, GumbelNoise,
-                                     ProposalRule, RowParams, choose_tokens, gumbel_noise, proposal_hits,
+from dflash_runtime.counter_noise import DRAFT, gumbel_noise
+from dflash_runtime.sampling import (DEFAULT_DRAFT_SHARPNESS, DRAFT_SHARPNESS_CHOICES, GumbelNoise,
+                                     ProposalRule, RowParams, choose_tokens, proposal_hits,
                                      propose_tokens, rejection_choices, sample_tokens, sampling_scores)
 
 SAMPLED = [SamplingParams(max_new_tokens=40, temperature=t, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
