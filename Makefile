@@ -4,6 +4,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q
 PROMPT ?= Explain in three sentences why the sky is blue.
 BUILD ?= builds/smollm2-135m
+# make demo's ports (tritonserver's HTTP, gRPC and metrics, the OpenAI-compatible gateway), e.g. where 8000 is taken:
+# make demo HTTP_PORT=18000 GRPC_PORT=18001 METRICS_PORT=18002 OPENAI_PORT=19000
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 
 .PHONY: install demo test soak overload bench genai-perf gpu-check gpu-rehearsal image-rehearsal drafter-data train-drafter clean
 
@@ -26,18 +32,19 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Build the embedded default, serve it with tritonserver (ports 8000-8002) and the OpenAI-compatible gateway
-# (9000), stream one answer through the gRPC client, ask the same through the official openai client, stop the
+# (9000; the *_PORT variables above move them), stream one answer through the gRPC client, ask the same through the official openai client, stop the
 # server (it drains first). The server log is $(BUILD)/server.log.
-OPENAI_CALL = from openai import OpenAI; c = OpenAI(base_url='http://localhost:9000/v1', api_key='-', max_retries=5); \
+OPENAI_CALL = from openai import OpenAI; c = OpenAI(base_url='http://localhost:$(OPENAI_PORT)/v1', api_key='-', max_retries=5); \
 	r = c.chat.completions.create(model=c.models.list().data[0].id, temperature=0, max_completion_tokens=64, \
 	messages=[{'role': 'user', 'content': open(0).read()}]); \
 	print('OpenAI API:', r.choices[0].message.content); print(r.usage)
 demo: install
 	$(PY) builder/build.py --output $(BUILD)
-	$(VENV)/bin/dflash-serve $(BUILD)/model_repository > $(BUILD)/server.log 2>&1 & server=$$!; \
+	$(VENV)/bin/dflash-serve $(BUILD)/model_repository --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+		--metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) > $(BUILD)/server.log 2>&1 & server=$$!; \
 	trap 'kill -TERM $$server; wait $$server' EXIT; \
-	$(VENV)/bin/dflash-client health --url localhost:8001 --wait 600 && \
-	$(VENV)/bin/dflash-client generate --url localhost:8001 --prompt "$(PROMPT)" && \
+	$(VENV)/bin/dflash-client health --url localhost:$(GRPC_PORT) --wait 600 && \
+	$(VENV)/bin/dflash-client generate --url localhost:$(GRPC_PORT) --prompt "$(PROMPT)" && \
 	printf '%s' "$(PROMPT)" | $(PY) -c "$(OPENAI_CALL)"
 
 test: install

@@ -484,11 +484,11 @@ MEASURED_WITH = {"fake_quant": "on the fake-quantized model (ModelOpt's emulatio
 def quality(quantization: dict) -> str:
     """The quantization report's headline in words: perplexity against the unquantized target, and how
     long greedy decoding stays on the unquantized target's own greedy path."""
-    agreement = quantization["greedy_agreement"]
+    from dflash_tools.quality import agreement_in_words
+
     ppl, base = quantization["perplexity"], quantization["unquantized"]["perplexity"]
-    return (f"perplexity {ppl:.2f} vs {base:.2f} unquantized ({ppl / base - 1:+.1%}); greedy agreement "
-            f"{agreement['matching_fraction']:.1%} of {sum(agreement['tokens_compared'])} tokens, first divergence "
-            f"after {agreement['mean_first_divergence']:.0f} on average; {MEASURED_WITH[quantization['measured_with']]}"
+    return (f"perplexity {ppl:.2f} vs {base:.2f} unquantized ({ppl / base - 1:+.1%}); "
+            f"{agreement_in_words(quantization['greedy_agreement'])}; {MEASURED_WITH[quantization['measured_with']]}"
             + (f"; quantized earlier, reused {quantization['reused']}" if quantization.get("reused") else ""))
 
 

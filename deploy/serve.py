@@ -509,9 +509,10 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     if binary is None:
         binary, extra_env = _bundled_server(runtime)
         env.update(extra_env)
-        # the wheel's server is a CPU one: without this it asks CUDA for a pinned pool at every start, and warns that
-        # the call failed
-        backend_args = [f"--backend-directory={runtime / 'backends'}", "--pinned-memory-pool-byte-size=0"]
+        # the wheel's server is a CPU one: without these it asks CUDA for a pinned pool and DCGM/NVML for GPU metrics
+        # at every start, and logs that both failed
+        backend_args = [f"--backend-directory={runtime / 'backends'}", "--pinned-memory-pool-byte-size=0",
+                        "--allow-gpu-metrics=false"]
     command = [str(binary), f"--model-repository={repository}", *backend_args,
                f"--http-address={host}", f"--http-port={ports['http']}", f"--grpc-address={host}",
                f"--grpc-port={ports['grpc']}", f"--metrics-address={host}", f"--metrics-port={ports['metrics']}",

@@ -325,13 +325,17 @@ def parameters_error(parameters_json: str) -> str | None:
         message = (f"{first} came as a request parameter, which this model does not read: send it as an input (a "
                    "top-level field of an HTTP generate body, a tensor over gRPC)")
     else:
-        close = difflib.get_close_matches(first, FRONT_INPUTS, n=1, cutoff=0.8)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        message = (f"{shown[0]} is not an input of this model{hint}: a field that names no input is refused, "
-                   "not ignored")
+        message = (f"{shown[0]} is not an input of this model{did_you_mean(first, FRONT_INPUTS)}: a field that "
+                   "names no input is refused, not ignored")
     if len(shown) > 1:
         message += f" (other fields refused: {', '.join(shown[1:])})"
     return message
+
+
+def did_you_mean(name: str, choices) -> str:
+    """" (did you mean X?)" where `name` is a near miss of one of `choices` (a misspelt field), else ""."""
+    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.8)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _shown(name: str) -> str:

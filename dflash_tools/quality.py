@@ -72,3 +72,15 @@ def measure(logits_fn, texts: list[list[int]], paths: list[tuple[list[int], int]
         "tokens_compared": [len(m) for m in matches],
     }
     return result
+
+
+def agreement_in_words(agreement: dict) -> str:
+    """measure()'s greedy agreement as a clause: "greedy answers identical on all 128 tokens of 4 prompts", or
+    "greedy answers agree on 96.9% of 4096 tokens; 12 of 64 prompts leave the reference's path, after 28 tokens on
+    average" (the mean over the prompts that leave it: one that never does has no divergence to count)."""
+    compared, first = agreement["tokens_compared"], agreement["first_divergence"]
+    if agreement["matching_fraction"] == 1.0:
+        return f"greedy answers identical on all {sum(compared)} tokens of {len(compared)} prompts"
+    left = [f for f, n in zip(first, compared) if f < n]
+    return (f"greedy answers agree on {agreement['matching_fraction']:.1%} of {sum(compared)} tokens; {len(left)} of "
+            f"{len(compared)} prompts leave the reference's path, after {sum(left) / len(left):.0f} tokens on average")

@@ -44,15 +44,13 @@ def weights_quality(target_dir, fmt: str, prompts: int, tokens: int, texts: int,
 
 
 def in_words(quality: dict) -> str:
-    """The quality line: e.g. "gguf-int4 is another model than float32: perplexity 9.1 vs 8.9 (+2.2%); greedy
-    answers agree on 93.1% of 4096 tokens, first divergence after 41 on average"."""
-    agreement = quality["greedy_agreement"]
-    same = agreement["matching_fraction"] == 1.0
+    """The quality line: e.g. "gguf-int4 against float32 here: perplexity 9.1 vs 8.9 (+2.2%); greedy answers agree
+    on 93.1% of 4096 tokens; ..." (quality.agreement_in_words)."""
+    from dflash_tools.quality import agreement_in_words
+
     ppl, base = quality["perplexity"], quality["float32_perplexity"]
-    return (f"{quality['format']} {'matches' if same else 'is another model than'} float32 here: perplexity "
-            f"{ppl:.2f} vs {base:.2f} ({quality['perplexity_change']:+.1%}); "
-            f"greedy answers agree on {agreement['matching_fraction']:.1%} of {sum(agreement['tokens_compared'])} "
-            f"tokens, first divergence after {agreement['mean_first_divergence']:.0f} on average")
+    return (f"{quality['format']} against float32 here: perplexity {ppl:.2f} vs {base:.2f} "
+            f"({quality['perplexity_change']:+.1%}); {agreement_in_words(quality['greedy_agreement'])}")
 
 
 def main(argv=None) -> int:

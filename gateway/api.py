@@ -20,7 +20,7 @@ from clients.transport import Request
 from dflash_contract import DFlashError
 from dflash_contract.chat import parse_template_kwargs
 from dflash_contract.guided_decoding import Guide
-from dflash_contract.protocol import INVALID_REQUEST_PREFIX, LIMITS
+from dflash_contract.protocol import INVALID_REQUEST_PREFIX, LIMITS, did_you_mean
 
 from .guides import GuideError, request_guide
 from .reasoning import split as split_reasoning
@@ -189,7 +189,7 @@ def _checked(body: object, known: frozenset[str], model_id: str) -> dict:
         raise invalid("the request body must be a JSON object")
     unknown = sorted(set(body) - known)
     if unknown:
-        raise invalid(f"{unknown[0]} is not supported by this server", unknown[0])
+        raise invalid(f"{unknown[0]} is not supported by this server{did_you_mean(unknown[0], known)}", unknown[0])
     for name, values in NEUTRAL.items():
         if name in body and body[name] not in values:
             allowed = " or ".join("null" if v is None else repr(v) for v in values)

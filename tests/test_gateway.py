@@ -288,6 +288,16 @@ def test_bad_requests_raise_the_clients_matching_exception(client, case):
     assert client.chat.completions.create(model=MODEL, messages=CONVERSATION[1:2], max_tokens=2).choices  # serving
 
 
+def test_a_misspelt_field_is_refused_with_the_field_it_was_meant_to_be():
+    from gateway.api import APIError, chat_request
+
+    body = {"model": MODEL, "messages": CONVERSATION[1:2], "temprature": 0.5}
+    with pytest.raises(APIError, match=r"^temprature is not supported by this server \(did you mean temperature\?\)$"):
+        chat_request(body, MODEL, 16)
+    with pytest.raises(APIError, match=r"^best_of_n is not supported by this server$"):  # nothing close
+        chat_request({"model": MODEL, "messages": CONVERSATION[1:2], "best_of_n": 2}, MODEL, 16)
+
+
 def test_raw_http_errors_have_openais_shape(default_server):
     url = default_server.gateway.url
     for path, body, status in [("/v1/chat/completions", b"{not json", 400), ("/v1/nothing", b"{}", 404),

@@ -251,3 +251,15 @@ def test_quantized_checkpoints_load_strictly(exports, tmp_path):
     # config.json's quantization_config alone (ModelOpt writes both) is enough
     embedded = _edited_copy(fp8, tmp_path / "embedded", quant_config={})
     assert torch.equal(load_target(embedded).lm_head.weight, load_target(fp8).lm_head.weight)
+
+
+def test_greedy_agreement_in_words_averages_the_divergence_of_the_prompts_that_diverge():
+    """A prompt that never leaves the reference's path has no divergence: the demo once said "agree on 100.0% of
+    128 tokens, first divergence after 32 on average" (32: the tokens compared)."""
+    from dflash_tools.quality import agreement_in_words
+
+    same = {"matching_fraction": 1.0, "tokens_compared": [32] * 4, "first_divergence": [32] * 4}
+    assert agreement_in_words(same) == "greedy answers identical on all 128 tokens of 4 prompts"
+    some = {"matching_fraction": 0.75, "tokens_compared": [32] * 4, "first_divergence": [32, 8, 32, 16]}
+    assert agreement_in_words(some) == ("greedy answers agree on 75.0% of 128 tokens; 2 of 4 prompts leave the "
+                                        "reference's path, after 12 tokens on average")
