@@ -11,7 +11,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 
-.PHONY: install demo test soak overload bench genai-perf gpu-check gpu-rehearsal image-rehearsal drafter-data train-drafter clean
+.PHONY: install demo test docs soak overload bench genai-perf gpu-check gpu-rehearsal image-rehearsal drafter-data train-drafter clean
 
 install: $(VENV)/.installed
 
@@ -91,7 +91,7 @@ genai-perf: install $(GENAI_PERF_VENV)/.installed
 # that machine's own python3 (torch, transformers, triton, pytest; no venv, no network, no checkpoint): the GPU
 # tests, then step timings on random-weight targets of the embedded shape and of Qwen3-8B's, as one table and as
 # JSON in $$OUT (or here). Guided decoding's test and mask timings need xgrammar, which that machine lacks: they skip
-# unless its wheels are carried (README, "Measured on an H200").
+# unless its wheels are carried (docs/performance.md, "Measured on an H200").
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_gpu.py
@@ -163,3 +163,7 @@ gpu-carry: install
 gpu-train-drafter:
 	python3 -m dflash_training.gpu_recipe run --minutes 9 --init models/smollm2-135m-dflash \
 		$(if $(GPU_RESPONSES),--responses runs/gpu-carry/$(notdir $(GPU_RESPONSES)))
+
+# The documentation site (docs/, mkdocs.yml) at http://localhost:8008; the suite builds it with --strict.
+docs: install
+	$(VENV)/bin/mkdocs serve --dev-addr localhost:8008

@@ -1,6 +1,6 @@
 """The versions of the serving stack's dependencies that this release ran with, and what is installed.
 
-Three software sets were run (README, "What was verified where"): this project's CPU machines
+Three software sets were run (docs/verified.md): this project's CPU machines
 (pyproject.toml's pins, `make test`); the lent GPU machine's, rehearsed on a CPU by `make
 gpu-rehearsal`; and the GPU serving image's (Triton 26.07: its PyTorch 2.10 and the transformers and
 numpy of its TensorRT-LLM 1.2.1), rehearsed by `make image-rehearsal`. Another version may well work,
@@ -48,4 +48,4 @@ def version_warning(program: str) -> str | None:
     if not lines:
         return None
     return (f"{program}: warning: not checked with this release: {'; '.join(lines)}. It may work; if it fails, "
-            "install a checked version (README, 'What was verified where').")
+            "install a checked version (docs/verified.md).")

@@ -83,7 +83,7 @@ class SamplingParams:
 
 
 # The proposal rules of sampled rows under "exact" (propose_tokens' sharpness), among which the engine learns
-# (ProposalRule); the default until it has seen drafts: the best on the embedded default (README).
+# (ProposalRule); the default until it has seen drafts: the best on the embedded default (docs/performance.md).
 DRAFT_SHARPNESS_CHOICES = (0.0, 0.25, 0.5, 1.0)
 DEFAULT_DRAFT_SHARPNESS = 0.5
 PROPOSAL_MEMORY = 0.998  # per step: the hit counts fade with a horizon of ~500 steps (near rules differ by a few %)
@@ -222,7 +222,7 @@ def proposal_hits(logits: torch.Tensor, scores: torch.Tensor, noise: GumbelNoise
 
 class ProposalRule:
     """The sharpness of exact sampling's drafts: a fixed one, or learned. Which rule guesses best depends on
-    the pair (on the embedded default 0.5, on a pair whose distributions are flat and close 1: README), so
+    the pair (on the embedded default 0.5, on a pair whose distributions are flat and close 1: docs/performance.md), so
     each step judges every rule of DRAFT_SHARPNESS_CHOICES on its sampled rows' first draft position, which
     every step verifies whatever was drafted there (proposal_hits), and drafts use the rule with the most
     hits over recent steps. The output never depends on it."""

@@ -1,4 +1,4 @@
-"""The README's commands as a user runs them: the console scripts beside the interpreter, in an environment without
+"""The documented commands as a user runs them: the console scripts beside the interpreter, in an environment without
 the suite's DFLASH_CPU_WEIGHTS=float32 (conftest.py), so the embedded default loads in whatever format this host
 serves it in (gguf-int4 wherever the GGUF kernels build). Everything else in the suite pins float32; a command that
 breaks only on a user's defaults (the trainer did, on gguf-int4) is caught here.
@@ -26,7 +26,7 @@ def run(command: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_readmes_training_commands_run_on_a_users_defaults_and_train_a_lossless_drafter(tmp_path):
-    """README "Training a drafter": dflash-drafter-data, then dflash-train-drafter on ShareGPT and on those answers
+    """docs/training.md: dflash-drafter-data, then dflash-train-drafter on ShareGPT and on those answers
     (tiny sizes); the drafter it exports then serves through dflash-generate on the host's default weights, DFlash
     token-identical to plain decoding."""
     data, sharegpt, answers = tmp_path / "responses", tmp_path / "sharegpt-drafter", tmp_path / "answers-drafter"
