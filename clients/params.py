@@ -32,7 +32,10 @@ class GenerationParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None  # same seed, same output (with or without the drafter)
-    stop: tuple[str, ...] = ()  # stop strings: generation ends at the token completing one, which the text keeps
+    # stop strings: generation ends at the token completing one; the text ends before the string (OpenAI's rule), or
+    # after it with include_stop_str_in_output
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
     end_id: int | None = None  # replaces the model's end-of-sequence ids (TensorRT-LLM semantics)
     min_tokens: int = 0  # no stop (end of sequence, stop string) before this many tokens
     # True: max_tokens is a ceiling the server lowers to what its context leaves after the prompt, rather than

@@ -26,7 +26,8 @@ from typing import AsyncIterator, Callable, Literal, Protocol as TypingProtocol
 import numpy as np
 
 from dflash_contract.guided_decoding import GUIDE_INPUT, TYPE_INPUT
-from dflash_contract.protocol import FINISH_REASON, FRONT_INPUTS, STATISTICS, invalid_request
+from dflash_contract.protocol import (BLS_INPUTS, FINISH_REASON, FRONT_INPUTS, INCLUDE_STOP_STR, STATISTICS,
+                                      invalid_request)
 from dflash_contract.server import PORTS
 
 from .errors import (DFlashClientError, InvalidRequest, RequestCancelled, RequestTimeout, ServerError,
@@ -121,6 +122,8 @@ class Request:
             fields["end_id"] = p.end_id
         if p.stop:
             fields["stop_words"] = list(p.stop)
+        if p.include_stop_str_in_output:  # sent only when set: the ensemble does not take it (protocol.BLS_INPUTS)
+            fields[INCLUDE_STOP_STR] = True
         fields.update(penalties(p))
         if p.logprobs is not None:
             fields["return_log_probs"] = True
@@ -329,7 +332,7 @@ def open_transport(url: str, protocol: Protocol, tls: TLS | None,
 class _BlsCall:
     """One request to dflash_bls: the ensemble's tensors, batch dimension [1, n]; text deltas, counts and all."""
 
-    model, types, batched = MODEL, FRONT_INPUTS, True
+    model, types, batched = MODEL, {**FRONT_INPUTS, **BLS_INPUTS}, True
 
     def __init__(self, request: Request):
         self.fields = request.fields()
@@ -408,7 +411,7 @@ def _llmapi_fields(request: Request, prompt: str) -> dict[str, object]:
     unavailable = {"min_tokens": p.min_tokens or None, "end_id": p.end_id,  # no such LLM-API inputs
                    "speculative_sampling": p.speculative_sampling, TYPE_INPUT: p.guide and p.guide.type,
                    "repetition_penalty": penalties(p).get("repetition_penalty"),
-                   "logprobs": p.logprobs}
+                   "logprobs": p.logprobs, INCLUDE_STOP_STR: p.include_stop_str_in_output or None}
     for name, value in unavailable.items():
         if value is not None:
             raise InvalidRequest(invalid_request(

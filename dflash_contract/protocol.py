@@ -3,9 +3,10 @@
 Names are tensorrtllm_backend's (`inflight_batcher_llm`), so existing Triton LLM clients work
 unchanged; `model_repository/*/config.pbtxt` declare the same tensors (tests/test_build.py checks).
 
-Stop strings: a stop string ends generation at the token that completes it, and the text keeps
-that whole token, stop string included (tensorrtllm_backend's behaviour). The server, the clients
-and `dflash-generate` all follow this rule.
+Stop strings: a stop string ends generation at the token that completes it. `dflash_bls` (and so the
+clients, the OpenAI gateway) and `dflash-generate` end the text before the string, as OpenAI and vLLM do, or
+after it with `include_stop_str_in_output` (dflash_runtime/stop_text.py); the `ensemble` keeps
+tensorrtllm_backend's behaviour: the text keeps that whole token, stop string included.
 """
 from __future__ import annotations
 
@@ -72,6 +73,11 @@ FRONT_INPUTS = {
     "frequency_penalty": "FP32",
     **{name: data_type for name, (data_type, _, _) in FIXED_INPUTS.items()},
 }
+# dflash_bls's own inputs, read where the answer's text is made with the request's state. A stop string is left
+# out of the text unless this is true (OpenAI's and vLLM's rule, dflash_runtime/stop_text.py); the ensemble, whose
+# postprocessing is stateless, keeps tensorrtllm_backend's rule: the text keeps the token that completes it.
+INCLUDE_STOP_STR = "include_stop_str_in_output"
+BLS_INPUTS = {INCLUDE_STOP_STR: "BOOL"}
 PROMPT_INPUTS = ("text_input", "messages")
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 # What the front model passes on to the `dflash` engine model unchanged (text goes through preprocessing).
@@ -321,12 +327,12 @@ def parameters_error(parameters_json: str) -> str | None:
     if not unknown:
         return None
     first, shown = unknown[0], [_shown(name) for name in unknown]
-    if first in FRONT_INPUTS:
+    if first in FRONT_INPUTS or first in BLS_INPUTS:
         message = (f"{first} came as a request parameter, which this model does not read: send it as an input (a "
                    "top-level field of an HTTP generate body, a tensor over gRPC)")
     else:
-        message = (f"{shown[0]} is not an input of this model{did_you_mean(first, FRONT_INPUTS)}: a field that "
-                   "names no input is refused, not ignored")
+        hint = did_you_mean(first, {**FRONT_INPUTS, **BLS_INPUTS})
+        message = f"{shown[0]} is not an input of this model{hint}: a field that names no input is refused, not ignored"
     if len(shown) > 1:
         message += f" (other fields refused: {', '.join(shown[1:])})"
     return message

@@ -11,6 +11,7 @@ from dflash_contract.cli import ArgumentParser
 from dflash_contract.presets import (AUTO_BLOCK_SIZE, CPU_WEIGHTS, DEFAULT_PRESET, SPECULATIVE_SAMPLING,
                                      block_size_argument, preset_table)
 from dflash_runtime.sampling import SamplingParams
+from dflash_runtime.stop_text import StopText
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int,
                         help="sampling seed; the same seed gives the same output for any block size")
     parser.add_argument("--stop", action="append", default=[],
-                        help="stop string (repeatable): generation ends at the token that completes it, and the "
-                             "text keeps that token (as the server does)")
+                        help="stop string (repeatable): generation ends at the token that completes it; the text "
+                             "ends before the string (as the server and OpenAI's API give it)")
+    parser.add_argument("--include-stop-str-in-output", action="store_true",
+                        help="end the text after the stop string instead of before it")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     parser.add_argument("--speculative-sampling", choices=SPECULATIVE_SAMPLING,
                         help="how sampling verifies drafts: exact (default; the same output as block size 1) or "
@@ -108,15 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     prompt_ids = request_ids(pipe, args)
     seq = engine.add_request(prompt_ids, params)
     start = time.perf_counter()
-    printed = ""
-    while engine.has_unfinished():
-        engine.step()
-        if not args.json and pipe.tokenizer is not None:
-            safe = pipe.decode(seq.output_ids)  # without an unfinished character: the next token may complete it
-            if safe.startswith(printed):
-                sys.stdout.write(safe[len(printed):])
-                sys.stdout.flush()
-                printed = safe
+    text = _decoded(pipe, engine, seq, StopText(args.stop, args.include_stop_str_in_output), echo=not args.json)
     elapsed = time.perf_counter() - start
     stats = seq.stats
     result = {
@@ -136,9 +131,30 @@ def run(args: argparse.Namespace) -> dict:
         "seconds": round(elapsed, 4),
         "tokens_per_second": round(len(seq.output_ids) / elapsed, 2),
     }
-    if pipe.tokenizer is not None:
-        result["text"] = pipe.decode(seq.output_ids)
+    if text is not None:
+        result["text"] = text
     return result
+
+
+def _decoded(pipe, engine, seq, stop_text: StopText, echo: bool) -> str | None:
+    """Runs the engine to the end of `seq`; its text (stop strings as the server gives them), shown as it grows
+    where `echo`; None without a tokenizer."""
+    if pipe.tokenizer is None:
+        while engine.has_unfinished():
+            engine.step()
+        return None
+    decoded, text = "", ""
+    while engine.has_unfinished():
+        engine.step()
+        safe = pipe.decode(seq.output_ids)  # without an unfinished character: the next token may complete it
+        grown, final = safe.startswith(decoded), not engine.has_unfinished()
+        delta = stop_text.push(safe[len(decoded):] if grown else "", final=final,
+                               stopped=final and seq.finish_reason == "stop")
+        decoded, text = safe if grown else decoded, text + delta
+        if echo:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    return text
 
 
 def sources_in_words(sources: dict) -> str:

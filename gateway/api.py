@@ -38,13 +38,14 @@ NEUTRAL = {
 }
 # Fields that change nothing the engine computes: an end-user id, request tags
 INERT = ("user", "metadata", "store", "service_tier")
-# The sampling fields both endpoints take; top_k, min_tokens and ignore_eos are vLLM's and SGLang's extra-body names,
+# The sampling fields both endpoints take; top_k, min_tokens, ignore_eos and include_stop_str_in_output are vLLM's
+# (and SGLang's) extra-body names,
 # speculative_sampling ours (dflash_contract.presets.SPECULATIVE_SAMPLING); response_format and vLLM's
 # structured_outputs ask for guided decoding (guides.py), on both endpoints as vLLM takes them, and the penalties
 # (OpenAI's presence and frequency, vLLM's repetition) are vLLM's (dflash_runtime/penalties.py)
 SAMPLING = ("model", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "top_k", "min_tokens",
             "ignore_eos", "speculative_sampling", "response_format", "structured_outputs", "presence_penalty",
-            "frequency_penalty", "repetition_penalty")
+            "frequency_penalty", "repetition_penalty", "include_stop_str_in_output")
 CHAT_FIELDS = frozenset((*SAMPLING, "messages", "max_completion_tokens", "max_tokens", "n", "logprobs", "top_logprobs",
                          "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                          "chat_template_kwargs", *INERT))
@@ -223,11 +224,13 @@ def _translated(body: dict, prompt: dict, max_tokens: object, default_max_tokens
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
             raise invalid(f"{_name(name, max_tokens_name)} must be a number", _name(name, max_tokens_name))
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise invalid("ignore_eos must be true or false", "ignore_eos")
+    ignore_eos, include_stop = body.get("ignore_eos", False), body.get("include_stop_str_in_output", False)
+    for name, value in (("ignore_eos", ignore_eos), ("include_stop_str_in_output", include_stop)):
+        if not isinstance(value, bool):
+            raise invalid(f"{name} must be true or false", name)
     try:  # end_id -1 replaces the end-of-sequence ids by one that never comes
-        params = GenerationParams(stop=tuple(s for s in stop if s), end_id=-1 if ignore_eos else None,
+        params = GenerationParams(stop=tuple(s for s in stop if s), include_stop_str_in_output=include_stop,
+                                  end_id=-1 if ignore_eos else None,
                                   clip_max_tokens=max_tokens is None,
                                   speculative_sampling=body.get("speculative_sampling"), guide=guide,
                                   logprobs=logprobs, **values)

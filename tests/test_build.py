@@ -21,8 +21,8 @@ from builder.trtllm import validate_llm_args
 from deploy.serve import ServeError, stage_trtllm_repository
 from dflash_contract import DFlashError, layout
 from dflash_contract.layout import TEMPLATES, build_key, file_hashes, read_manifest
-from dflash_contract.protocol import (ENGINE_INPUTS, FINISH_REASON, FRONT_INPUTS, LOGPROB_OUTPUTS, STATISTICS,
-                                      TOKEN_OUTPUTS, config_type)
+from dflash_contract.protocol import (BLS_INPUTS, ENGINE_INPUTS, FINISH_REASON, FRONT_INPUTS, LOGPROB_OUTPUTS,
+                                      STATISTICS, TOKEN_OUTPUTS, config_type)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -388,8 +388,9 @@ def test_front_models_declare_the_contract_tensors(model):
 
     config = text_format.Parse(text, model_config_pb2.ModelConfig())
     types = model_config_pb2.DataType.Name
+    own = BLS_INPUTS if model == "dflash_bls" else {}  # read where the text is made (protocol.BLS_INPUTS)
     assert {t.name: types(t.data_type) for t in config.input} == {
-        name: config_type(kind) for name, kind in FRONT_INPUTS.items()}
+        name: config_type(kind) for name, kind in {**FRONT_INPUTS, **own}.items()}
     # required ones (REQUIRED_INPUTS) are checked by preprocessing, which names what is missing: a Triton
     # "required" input only counts towards a minimum number of inputs (see the ensemble's config)
     assert all(t.optional for t in config.input)

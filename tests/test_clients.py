@@ -248,17 +248,22 @@ def test_streaming_and_non_streaming_return_the_same_text(grpc_client, http_clie
 
 
 def test_stop_strings_mean_the_same_through_the_server_and_dflash_generate(grpc_client, http_client, capsys):
-    # dflash_contract.protocol's rule: generation ends at the token that completes a stop string, and the
-    # text keeps that token. Once, the CLI cut the text before the match while the server kept it.
+    # dflash_contract.protocol's rule: generation ends at the token that completes a stop string; the text ends
+    # before it, or after it with include_stop_str_in_output, streamed or not. Once, the CLI cut the text before
+    # the match while the server kept it.
     from dflash_tools.cli import main as generate
 
     question = "What is the capital of France? Answer in one sentence."
-    params = GenerationParams(max_tokens=24, stop=("Paris",))
-    served = grpc_client.generate(question, params)
-    assert served.finish_reason == "stop" and served.text.endswith("Paris")
-    assert http_client.generate(question, params, stream=True).text == served.text
-    assert generate(["--prompt", question, "--max-new-tokens", "24", "--stop", "Paris", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["text"] == served.text
+    for kept in (False, True):
+        params = GenerationParams(max_tokens=24, stop=("Paris",), include_stop_str_in_output=kept)
+        served = grpc_client.generate(question, params)
+        assert served.finish_reason == "stop" and served.text.endswith("Paris") == kept and "Paris" not in (
+            served.text[:-len("Paris")] if kept else served.text)
+        assert grpc_client.generate(question, params, stream=True).text == served.text
+        assert http_client.generate(question, params, stream=True).text == served.text
+        flag = ["--include-stop-str-in-output"] if kept else []
+        assert generate(["--prompt", question, "--max-new-tokens", "24", "--stop", "Paris", "--json", *flag]) == 0
+        assert json.loads(capsys.readouterr().out)["text"] == served.text
 
 
 def test_async_client_serves_eight_concurrent_calls(default_server):

@@ -95,13 +95,17 @@ def test_generate_command_answers_through_the_chat_template(capsys):
     assert result["finish_reason"] == "stop" and result["output_ids"][-1] == 2  # <|im_end|>
 
 
-def test_stop_string_ends_generation_and_stays_in_the_text(capsys):
+def test_stop_string_ends_generation_and_leaves_the_text_unless_kept(capsys):
     # dflash_contract.protocol's rule, the server's too: generation ends at the token completing the stop
-    # string, and the text keeps that token
-    assert main(["--prompt", QUESTIONS[0], "--max-new-tokens", "24", "--stop", "Paris", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["finish_reason"] == "stop" and result["output_ids"][-1] != 2  # not the end-of-sequence token
-    assert result["text"].startswith("The capital of France is") and result["text"].endswith("Paris")
+    # string; the text ends before it (OpenAI's rule), or after it with --include-stop-str-in-output
+    texts = []
+    for kept in ([], ["--include-stop-str-in-output"]):
+        assert main(["--prompt", QUESTIONS[0], "--max-new-tokens", "24", "--stop", "Paris", "--json", *kept]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["finish_reason"] == "stop" and result["output_ids"][-1] != 2  # not the end-of-sequence token
+        texts.append(result["text"])
+    assert texts[0].startswith("The capital of France is") and "Paris" not in texts[0]
+    assert texts[1] == texts[0] + "Paris"
 
 
 def test_benchmark_reports_side_by_side_and_checks_identity(tmp_path, capsys):

@@ -180,9 +180,12 @@ def test_a_stop_list_ends_the_text_where_the_contract_says(client, grpc):
                                              stop=[word, "never appears"])
     expected = grpc.generate(question, GenerationParams(max_tokens=32, stop=(word, "never appears")))
     cut = stopped.choices[0].message.content
-    # the text keeps the token that completes the stop string (dflash_contract.protocol), and ends there
-    assert cut == expected.text and word in cut and text.startswith(cut) and len(cut) < len(text)
+    # OpenAI's rule: the text ends before the stop string; vLLM's include_stop_str_in_output keeps it
+    assert cut == expected.text and text.startswith(cut + word) and word not in cut
     assert stopped.choices[0].finish_reason == "stop"
+    kept = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=32,
+                                          stop=[word], stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].delta.content or "" for c in kept if c.choices) == cut + word
 
 
 def test_the_same_seed_gives_the_same_sample(client):

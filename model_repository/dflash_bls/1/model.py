@@ -14,9 +14,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dflash_contract.protocol import (CANCELLED_MESSAGE, ENGINE_INPUTS, ENGINE_STOPPED_MESSAGE, FINISH_REASON,
-                                      FRONT_INPUTS, INTERNAL_ERROR_PREFIX, LOGPROB_OUTPUTS, STATISTICS, TOKEN_OUTPUTS,
-                                      error_class, invalid_request, parameters_error)
+                                      FRONT_INPUTS, INCLUDE_STOP_STR, INTERNAL_ERROR_PREFIX, LOGPROB_OUTPUTS,
+                                      STATISTICS, TOKEN_OUTPUTS, error_class, invalid_request, parameters_error)
 from dflash_contract.server import acknowledged_path, failure_signal
+from dflash_runtime.stop_text import StopText
 from dflash_serving.metrics import BLS_CALL_PREFIX, RequestMetrics, TritonRegistry
 
 RESPONSE_OUTPUTS = (FINISH_REASON, *(s.tensor for s in STATISTICS), *LOGPROB_OUTPUTS)  # passed on as they are
@@ -142,6 +143,7 @@ def _generate(request, client):
         model_name="dflash", inputs=inputs + _inputs(request, ENGINE_INPUTS), request_id=request_id,
         requested_output_names=[*TOKEN_OUTPUTS, *RESPONSE_OUTPUTS])
     texts, logprobs, last, finish_reason, stopped = [], [], None, "", False
+    stop_text = _stop_text(request)
     # streamed even when the client asked for one response: a response per step is where
     # cancellation is seen
     try:
@@ -162,8 +164,9 @@ def _generate(request, client):
             if text.has_error():
                 _stop(request_id)
                 return text.error()
-            delta = pb_utils.get_output_tensor_by_name(text, "text_output").as_numpy().item()
+            delta = pb_utils.get_output_tensor_by_name(text, "text_output").as_numpy().item().decode("utf-8")
             reason = pb_utils.get_output_tensor_by_name(response, FINISH_REASON).as_numpy().item().decode()
+            delta = stop_text.push(delta, final=bool(reason), stopped=reason == "stop").encode("utf-8")
             if streaming:
                 client.send(_answer(delta, response), final=bool(reason))
             else:
@@ -183,6 +186,14 @@ def _generate(request, client):
         client.send(_answer(b"".join(texts), last, _joined_logprobs(logprobs)), final=True)
     client.timeline.finished(finish_reason)
     return None
+
+
+def _stop_text(request):
+    """The answer's text around its stop strings (OpenAI's rule: left out unless include_stop_str_in_output)."""
+    words = pb_utils.get_input_tensor_by_name(request, "stop_words")
+    include = pb_utils.get_input_tensor_by_name(request, INCLUDE_STOP_STR)
+    return StopText([w.decode("utf-8") for w in words.as_numpy().reshape(-1)] if words is not None else [],
+                    include is not None and bool(include.as_numpy().item()))
 
 
 def _classified(error):
