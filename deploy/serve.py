@@ -31,6 +31,7 @@ from pathlib import Path
 
 from dflash_contract import DFlashError
 from dflash_contract.layout import read_manifest, resolve_in_build
+from dflash_contract.protocol import LIMITS
 from dflash_contract.server import (ABORT_SECONDS, DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S,
                                     EXIT_TIMEOUT_S, FAILURE_FILE_ENV, FLUSH_SECONDS, GATEWAY_HEALTH_PATH,
                                     HANG_FLOOR_SECONDS, HANG_STEP_MULTIPLE, HEALTH_CHECK_SECONDS, METRICS_PATH,
@@ -171,10 +172,10 @@ class Gateway:
 
 def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, graceful_seconds: float,
                   timeout: float = 60, target_dir: Path | None = None, host: str = ANY_ADDRESS,
-                  reasoning_parser: str | None = None) -> Gateway:
+                  reasoning_parser: str | None = None, default_max_tokens: int | None = None) -> Gateway:
     """Start the gateway on host:port (port 0: a free one) for the tritonserver at grpc_url, and wait until it serves.
     target_dir: the target checkpoint whose chat template and tokenizer the gateway uses (gateway_target_dir);
-    reasoning_parser: the build's (build_reasoning_parser)."""
+    reasoning_parser: the build's (build_reasoning_parser); default_max_tokens: None, the gateway's own."""
     env = {k: v for k, v in os.environ.items() if k != OPENAI_API_KEY_ENV}
     if api_key:
         env[OPENAI_API_KEY_ENV] = api_key  # not in argv, where ps would show it
@@ -184,6 +185,8 @@ def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, 
         command += ["--target-dir", str(target_dir)]
     if reasoning_parser is not None:
         command += ["--reasoning-parser", reasoning_parser]
+    if default_max_tokens is not None:
+        command += ["--default-max-tokens", str(default_max_tokens)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()  # "dflash-gateway: listening on http://HOST:PORT ...", or nothing if it died
     if "listening on http://" not in line:
@@ -475,9 +478,10 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
                  ready_timeout: float = 300, drain_seconds: float = DRAIN_SECONDS,
                  trtllm_model_code: Path = TRTLLM_MODEL_CODE, openai_port: int | None = None,
                  openai_api_key: str | None = None, hang_seconds: float = HANG_FLOOR_SECONDS,
-                 queue_timeout: float = QUEUE_TIMEOUT_SECONDS, host: str = ANY_ADDRESS) -> TritonServer:
+                 queue_timeout: float = QUEUE_TIMEOUT_SECONDS, host: str = ANY_ADDRESS,
+                 served_model_name: str | None = None, default_max_tokens: int | None = None) -> TritonServer:
     """Start tritonserver on `repository` and wait until it is ready, then the OpenAI gateway on openai_port
-    (None: no gateway). Port 0 picks a free port. A dflash engine step running longer than
+    (None: no gateway), serving the model as served_model_name (None: the build's target, model_id). Port 0 picks a free port. A dflash engine step running longer than
     max(HANG_STEP_MULTIPLE x its usual cost, hang_seconds) makes the server unhealthy; a request waiting longer
     than queue_timeout for a slot is refused (0: no bound). Every port is bound to `host`."""
     repository = Path(repository).resolve()
@@ -493,7 +497,7 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     ports = {name: picked[f"--{name}-port"] for name in wanted}
     runtime = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
     # from the build beside the repository, not the staged copy's runtime folder
-    served_id, target_dir = model_id(repository), gateway_target_dir(repository)
+    served_id, target_dir = served_model_name or model_id(repository), gateway_target_dir(repository)
     try:
         repository = stage_trtllm_repository(repository, runtime, Path(trtllm_model_code))
     except BaseException:
@@ -536,7 +540,8 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
         if openai_port is not None:
             server.gateway = start_gateway(server.grpc_url, served_id, ports["openai"], openai_api_key,
                                            drain_seconds + DRAIN_SLACK_S, target_dir=target_dir, host=host,
-                                           reasoning_parser=build_reasoning_parser(repository))
+                                           reasoning_parser=build_reasoning_parser(repository),
+                                           default_max_tokens=default_max_tokens)
     except BaseException:  # also SIGINT/SIGTERM while models load: never leave tritonserver behind
         process.kill()
         process.wait()
@@ -611,6 +616,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models); "
                              "0 = pick a free port")
     parser.add_argument("--no-openai", action="store_true", help="serve without the OpenAI-compatible API")
+    parser.add_argument("--served-model-name", help="the model's id on the OpenAI API (/v1/models, a request's "
+                        "`model`; vLLM's flag); default: the build's target preset, or its target directory's name")
+    parser.add_argument("--default-max-tokens", type=int,
+                        help="the OpenAI API's answer length for a chat request that sets none (default: the "
+                             "gateway's, lowered to what the context leaves after the prompt)")
     parser.add_argument("--openai-api-key", default=os.environ.get(OPENAI_API_KEY_ENV) or None,
                         help=f"require this bearer token on the OpenAI API (default: ${OPENAI_API_KEY_ENV}; unset: "
                              "no key)")
@@ -628,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--runtime trtllm builds: the directory of TensorRT-LLM's LLM-API model.py and helpers.py "
                              "(default: where the NGC trtllm image has them)")
     args = parser.parse_args(argv)
+    if args.default_max_tokens is not None and not 1 <= args.default_max_tokens <= LIMITS.max_tokens:
+        parser.error(f"--default-max-tokens must be in [1, {LIMITS.max_tokens}], got {args.default_max_tokens}")
     warning = version_warning("dflash-serve")
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -638,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
                               trtllm_model_code=args.trtllm_model_code,
                               openai_port=None if args.no_openai else args.openai_port,
                               openai_api_key=args.openai_api_key, hang_seconds=args.hang_seconds,
-                              queue_timeout=args.queue_timeout, host=args.host)
+                              queue_timeout=args.queue_timeout, host=args.host,
+                              served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens)
     except ServeError as e:
         print(f"dflash-serve: {e}", file=sys.stderr)
         return 1

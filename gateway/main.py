@@ -7,6 +7,7 @@ import socket
 import sys
 
 from dflash_contract.presets import REASONING_PARSERS
+from dflash_contract.protocol import LIMITS
 from dflash_contract.server import DRAIN_SECONDS, GATEWAY_HEALTH_PATH, OPENAI_API_KEY_ENV, PORTS
 
 from .app import Settings, create_app
@@ -35,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) in front of "
                     "a DFlash Triton server's dflash_bls model (or a --runtime trtllm build's tensorrt_llm), over gRPC.")
     parser.add_argument("--triton-url", default=f"localhost:{PORTS['grpc']}", help="tritonserver's gRPC HOST:PORT")
-    parser.add_argument("--model-id", required=True, help="the model's id in /v1/models and in requests "
-                        "(dflash-serve passes the build's target preset, or its target directory's name)")
+    parser.add_argument("--model-id", "--served-model-name", required=True, help="the model's id in /v1/models and "
+                        "in requests (dflash-serve passes its --served-model-name, by default the build's target "
+                        "preset or its target directory's name)")
     parser.add_argument("--target-dir", help="the build's target checkpoint (<build>/target): for a --runtime "
                         "trtllm server, whose model takes raw text only, the gateway puts conversations in its chat "
                         "template and counts tokens with its tokenizer.json (dflash-serve passes it)")
@@ -58,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.default_max_tokens <= LIMITS.max_tokens:
+        parser.error(f"--default-max-tokens must be in [1, {LIMITS.max_tokens}], got {args.default_max_tokens}")
     import uvicorn
 
     settings = Settings(args.triton_url, args.model_id, args.api_key, args.default_max_tokens, args.max_body_bytes,

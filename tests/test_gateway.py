@@ -328,6 +328,23 @@ def test_an_idle_connection_outlives_the_clients_own_keep_alive(default_server):
         connection.close()
 
 
+def test_the_served_model_name_and_default_length_are_the_operators(default_server):
+    gateway = start_gateway(default_server.grpc_url, "support-bot", 0, None, graceful_seconds=1, default_max_tokens=3)
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="-", max_retries=0) as client:
+            assert [m.id for m in client.models.list()] == ["support-bot"]
+            reply = client.chat.completions.create(model="support-bot", messages=CONVERSATION[1:2], temperature=0)
+            assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+            with pytest.raises(openai.NotFoundError, match="this server serves 'support-bot'"):
+                client.chat.completions.create(model=MODEL, messages=CONVERSATION[1:2], max_tokens=2)
+    finally:
+        gateway.stop(5)
+    from deploy.serve import main as serve
+
+    with pytest.raises(SystemExit):  # refused before anything starts
+        serve(["builds/none", "--default-max-tokens", "0"])
+
+
 def test_an_api_key_is_required_once_set(default_server):
     gateway = start_gateway(default_server.grpc_url, MODEL, 0, "s3cret", graceful_seconds=1)
     try:
