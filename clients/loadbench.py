@@ -48,10 +48,10 @@ examples:
   dflash-loadbench --url localhost:8001 --baseline-url localhost:9001 --tokenizer builds/smollm2-135m/target \\
       --prompts sharegpt --num-prompts 32 --concurrency 1 4 8 --max-tokens 128 --json bench.json --plot bench.png
   # the OpenAI gateway beside direct gRPC on one server (dflash-serve's --openai-port)
-  dflash-loadbench --url localhost:8001 --openai-url localhost:9000 --tokenizer builds/smollm2-135m/target \
-      --prompts chat --num-prompts 16 --concurrency 1 8
+  dflash-loadbench --url localhost:8001 --openai-url localhost:9000 --tokenizer builds/smollm2-135m/target \\
+      --prompts mtbench --num-prompts 16 --concurrency 1 8
   # MT-Bench's two turns, the prefix cache against the same build with --no-prefix-caching
-  dflash-loadbench --url localhost:8001 --baseline-url localhost:9001 --tokenizer builds/smollm2-135m/target \
+  dflash-loadbench --url localhost:8001 --baseline-url localhost:9001 --tokenizer builds/smollm2-135m/target \\
       --prompts mtbench --turns 2 --num-prompts 80 --concurrency 1 8 --max-tokens 128
   # Poisson arrivals at 0.5, 1 and 2 requests/s, HumanEval prompts, over HTTP
   dflash-loadbench --url localhost:8000 --protocol http --tokenizer builds/smollm2-135m/target \\
@@ -178,6 +178,9 @@ def distribution(values: list[float]) -> dict:
             **{f"p{p}": round(float(v), 5) for p, v in zip(PERCENTILES, points)}}
 
 
+SAME_WORK_TAU = 0.05  # two runs whose tau differ by more than this share did different work per token
+
+
 def compare(main: dict, baseline: dict) -> dict:
     """Speedup of the DFlash server over the baseline at one level (> 1: DFlash is better)."""
     def ratio(a, b):
@@ -195,14 +198,21 @@ def compare(main: dict, baseline: dict) -> dict:
 
 
 def gateway_overhead(gateway: dict, grpc: dict) -> dict:
-    """What the OpenAI gateway adds to direct gRPC at one level: TTFT p50 in ms, and the throughput ratio."""
+    """What the OpenAI gateway adds to direct gRPC at one level: TTFT p50 in ms, and the throughput ratio; with
+    `not_comparable` saying why where the two runs' engines did different work (the ratios then measure that)."""
     same = sum(a["text"] == b["text"] for a, b in zip(gateway["per_request"], grpc["per_request"])
                if a["prompt"] == b["prompt"])
     ttft = (gateway["ttft_s"]["p50"], grpc["ttft_s"]["p50"])
-    return {"ttft_p50_ms": round((ttft[0] - ttft[1]) * 1e3, 2) if None not in ttft else None,
-            "output_tokens_per_s": round(gateway["output_tokens_per_s"] / grpc["output_tokens_per_s"], 3)
-            if grpc["output_tokens_per_s"] else None,
-            "identical_texts": f"{same}/{len(grpc['per_request'])}"}
+    taus = (gateway["mean_acceptance_length"], grpc["mean_acceptance_length"])
+    overhead = {"ttft_p50_ms": round((ttft[0] - ttft[1]) * 1e3, 2) if None not in ttft else None,
+                "output_tokens_per_s": round(gateway["output_tokens_per_s"] / grpc["output_tokens_per_s"], 3)
+                if grpc["output_tokens_per_s"] else None,
+                "identical_texts": f"{same}/{len(grpc['per_request'])}", "tau": {"openai": taus[0], "grpc": taus[1]}}
+    if same < len(grpc["per_request"]) or abs((taus[0] or 1) - (taus[1] or 1)) > SAME_WORK_TAU * max(taus[1] or 1, 1):
+        overhead["not_comparable"] = (f"the engine did different work for each door (tau {_fmt(taus[0])} through "
+                                      f"the gateway, {_fmt(taus[1])} over gRPC; identical texts {same}/"
+                                      f"{len(grpc['per_request'])}): the ratios measure that, not the gateway")
+    return overhead
 
 
 async def run(args, workload: Workload, levels: list[Level], count_tokens: Callable[[str], int]) -> dict:
@@ -323,6 +333,8 @@ def table(summary: dict) -> str:
             g = row["gateway"]
             lines.append(f"{'':<12}{'gateway':<10}{'':>8}{_fmt(g['output_tokens_per_s'], suffix='x'):>11}"
                          f"{_fmt(g['ttft_p50_ms'], suffix=' ms'):>22}{'':>22}   identical texts {g['identical_texts']}")
+            if "not_comparable" in g:
+                lines.append(f"{'':<22}not comparable: {g['not_comparable']}")
     return "\n".join(lines)
 
 
@@ -340,14 +352,15 @@ def plot(summary: dict, path: str) -> None:
     x = [row["level"]["value"] for row in rows]
     kind = rows[0]["level"]["kind"]
     fig, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, style, color in (("dflash", "-", "C0"), ("baseline", "--", "C1"), ("openai", ":", "C4")):  # line: server
+    # a colour per server in both panels; on the latency panel a line style per measure
+    for name, color in (("dflash", "C0"), ("baseline", "C1"), ("openai", "C2")):
         if name not in rows[0]:
             continue
-        throughput.plot(x, [row[name]["output_tokens_per_s"] for row in rows], style, color=color, marker="o",
+        throughput.plot(x, [row[name]["output_tokens_per_s"] for row in rows], "-", color=color, marker="o",
                         label=name)
-        latency.plot(x, [row[name]["ttft_s"]["p50"] for row in rows], style, color="C2", marker="o",
+        latency.plot(x, [row[name]["ttft_s"]["p50"] for row in rows], "-", color=color, marker="o",
                      label=f"{name} TTFT p50")
-        latency.plot(x, [row[name]["itl_s"]["p50"] for row in rows], style, color="C3", marker="s",
+        latency.plot(x, [row[name]["itl_s"]["p50"] for row in rows], "--", color=color, marker="s",
                      label=f"{name} ITL p50")
     xlabel = "concurrent requests" if kind == "concurrency" else "request rate (req/s)"
     throughput.set(xlabel=xlabel, ylabel="output tokens/s", title="throughput")
@@ -413,6 +426,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_reach(source: str, asked: int, found: int, levels: list[Level]) -> None:
+    """Refuses a run that would measure less than it says: fewer prompts than --num-prompts (a prompt sent twice
+    would hit the prefix cache), or a concurrency that its prompts per level never reach."""
+    if found < asked:
+        raise ValueError(f"--prompts {source} has {found} prompts, fewer than --num-prompts {asked}: ask for at most "
+                         f"{found}, or use a larger set (sharegpt, mtbench, humaneval, or a .jsonl file)")
+    unreached = [level.value for level in levels if level.kind == "concurrency" and level.value > found]
+    if unreached:
+        raise ValueError(f"--concurrency {unreached[0]:g} is never reached with {found} prompts per level: "
+                         f"give --num-prompts at least {max(unreached):g}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     levels = ([Level("request_rate", r) for r in args.request_rate] if args.request_rate
@@ -428,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                                   speculative_sampling=args.speculative_sampling)
         if args.turns == 2 and args.raw:
             raise ValueError("--turns 2 sends conversations: it needs the chat template (drop --raw)")
-        workload = Workload(prompt_set(args.prompts, args.num_prompts), params, not args.raw, args.seed,
+        prompts = prompt_set(args.prompts, args.num_prompts)
+        check_reach(args.prompts, args.num_prompts, len(prompts), levels)
+        workload = Workload(prompts, params, not args.raw, args.seed,
                             second_turns(args.prompts, args.num_prompts) if args.turns == 2 else None)
         summary = asyncio.run(run(args, workload, levels, token_counter(args.tokenizer)))
     except (DFlashClientError, ValueError, OSError) as e:  # DFlashError (bad prompt set) is a ValueError

@@ -404,6 +404,28 @@ def test_loadbench_reports_consistent_numbers(default_server, default_build, tmp
     assert overhead["ratio_server_vs_in_process"] == pytest.approx(rates["server"] / rates["in_process"], rel=0.02)
 
 
+def test_loadbench_refuses_a_run_that_would_measure_less_than_it_says(capsys):
+    # the newcomer trial: --num-prompts 16 --concurrency 16 on the 4 chat prompts silently ran 4, at concurrency 4
+    where = ["--url", "localhost:1", "--tokenizer", "unused"]  # refused before either is used
+    assert loadbench.main([*where, "--prompts", "chat", "--num-prompts", "16", "--concurrency", "16"]) == 1
+    assert "--prompts chat has 4 prompts, fewer than --num-prompts 16" in capsys.readouterr().err
+    assert loadbench.main([*where, "--prompts", "chat", "--num-prompts", "4", "--concurrency", "1", "8"]) == 1
+    assert "--concurrency 8 is never reached with 4 prompts per level" in capsys.readouterr().err
+
+
+def test_loadbench_says_when_the_gateways_figures_compare_different_work():
+    def level(tau, text, ttft):
+        return {"ttft_s": {"p50": ttft}, "output_tokens_per_s": 10 * tau, "mean_acceptance_length": tau,
+                "per_request": [{"prompt": 0, "text": text}]}
+
+    same = loadbench.gateway_overhead(level(1.5, "a", 0.11), level(1.5, "a", 0.10))
+    assert same["ttft_p50_ms"] == pytest.approx(10) and "not_comparable" not in same
+    drafted = loadbench.gateway_overhead(level(3.0, "a", 0.10), level(1.0, "a", 2.25))
+    assert "tau 3.00 through the gateway, 1.00 over gRPC" in drafted["not_comparable"]
+    assert "not comparable" in loadbench.table({"levels": [{"level": {"kind": "concurrency", "value": 1},
+                                                            "gateway": drafted}]})
+
+
 def test_loadbench_second_turns_hit_the_prefix_cache(default_server, default_build, tmp_path):
     """--turns 2: each MT-Bench conversation's second turn re-sends the first turn's answer; the server's prefix
     cache holds the history (at least the first turn's prompt), reported per level, and the texts agree."""
