@@ -27,6 +27,9 @@ options: --block-size 8 (decay 4, the default for 8) or 16 (decay 7), --anchors 
 Checkpoints (model, optimizer, data cursor, RNG) are written every --save-every steps and training
 resumes from them; --max-minutes bounds a session. A JSONL learning curve records every evaluation.
 
+The parts, one file each: the texts (training_data), the target's features, online or cached (features), the block
+loss (block_loss) and evaluation (evaluation); here the drafter's start, the loop, its steps and checkpoints.
+
 Under torchrun the ranks share each global batch with DistributedDataParallel over the drafter (a step is the one
 process's step on the whole batch; checkpoints resume at any world size), and --shard-target shards the frozen
 target's decoder layers across them (FSDP2) where it does not fit one device beside the drafter.
@@ -35,18 +38,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
-import importlib.util
-import itertools
-import json
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
@@ -54,15 +51,14 @@ from tqdm import tqdm
 from dflash_runtime.checkpoint import load_weights, read_safetensors
 from dflash_runtime.config import DFlashError, DrafterConfig, TransformerShape
 from dflash_runtime.drafter import DFlashDrafter, save_drafter
-from dflash_runtime.engine import SpeculativeEngine
-from dflash_runtime.layers import prepare_for_inference
 from dflash_runtime.pipeline import Pipeline, load_pipeline
-from dflash_runtime.sampling import SamplingParams
 from dflash_runtime.target import TargetModel
-from dflash_tools.prompts import sharegpt_conversations
 from dflash_training import distributed, memory, options
+from dflash_training.block_loss import BlockDrafting, autocast, block_loss_terms, draw_anchors, recipe_decay
 from dflash_training.distributed import Ranks, ranks_from_env
-from dflash_training.drafter_data import read_responses, training_sequence
+from dflash_training.evaluation import HeldOut, evaluate_and_record, heldout_data
+from dflash_training.features import cached_features, sample_batch, target_features
+from dflash_training.training_data import frequent_tokens, training_batches, training_texts
 
 EXAMPLES = """examples:
   dflash-train-drafter --output runs/my-drafter --max-minutes 60
@@ -114,55 +110,6 @@ def new_drafter(target: TargetModel, num_layers: int, block_size: int, mask_toke
     return drafter
 
 
-def training_texts(pipe: Pipeline, seq_len: int, skip: int = 0, responses: str | None = None,
-                   answer_only: bool = False):
-    """(token ids, first anchor) of at most seq_len tokens: chat-formatted ShareGPT (prompt, reply)
-    pairs, or the target's own responses from a dflash-drafter-data directory (re-read every epoch: it
-    may grow). None for a text too short to train on. answer_only: ShareGPT blocks start in the reply
-    (ModelOpt's answer-only loss; the target's responses are always trained that way).
-
-    On the target's responses blocks start in the response only, as they do when decoding: the first
-    block's anchor is the first generated token. There every label lies on the target's greedy path;
-    a block anchored in the prompt would be labelled along the user's text instead.
-    """
-    if responses:
-        for record in read_responses(responses)[skip:]:
-            ids, first = training_sequence(record)[:seq_len], max(1, len(record["prompt_ids"]))
-            yield (ids, first) if len(ids) >= 32 and len(ids) - first >= 2 else None
-        return
-    for prompt, reply in itertools.islice(sharegpt_conversations("train"), skip, None):
-        ids = pipe.encode(prompt)
-        first = len(ids) if answer_only else 1
-        reply_ids = pipe.tokenizer.encode(reply, add_special_tokens=False)
-        eos = pipe.target.config.eos_token_ids[:1]
-        ids = (ids + reply_ids + list(eos))[:seq_len]
-        yield (ids, first) if len(ids) >= 32 and len(ids) - first >= 2 else None
-
-
-_END = object()
-
-
-def training_batches(texts_from, batch_size: int, skip: int = 0):
-    """Endless batches of (token ids, first anchor), each with the data cursor (texts read in this epoch).
-
-    texts_from(skip): the training texts after the first `skip` (training_texts)."""
-    cursor, texts, batch, used = skip, texts_from(skip), [], 0
-    while True:
-        text = next(texts, _END)
-        if text is _END:  # next epoch
-            if not used and skip == 0:  # a whole epoch gave nothing
-                raise DFlashError("no training sequences of at least 32 tokens")
-            cursor, skip, used, texts = 0, 0, 0, texts_from(0)
-            continue
-        cursor += 1
-        if text is not None:
-            batch.append(text)
-            used += 1
-        if len(batch) == batch_size:
-            yield batch, cursor
-            batch = []
-
-
 def initial_drafter(args: argparse.Namespace, target: TargetModel) -> DFlashDrafter:
     """A new drafter from the target's top layers, or (--init) an exported drafter to train further.
 
@@ -178,274 +125,6 @@ def initial_drafter(args: argparse.Namespace, target: TargetModel) -> DFlashDraf
     drafter.config.check_against(target.config, args.init)
     load_weights(drafter, read_safetensors(Path(args.init)), args.init, torch.float32, args.device)
     return drafter
-
-
-def frequent_tokens(pipe: Pipeline, count: int, responses: str | None = None, sample: int = 3000) -> torch.Tensor:
-    """The `count` most frequent token ids in the target's responses (--responses) or else in the
-    replies of the first `sample` training conversations."""
-    if responses:
-        replies = (r["response_ids"] for r in read_responses(responses))
-    else:
-        replies = (pipe.tokenizer.encode(reply, add_special_tokens=False)[:1024]
-                   for _, reply in itertools.islice(sharegpt_conversations("train"), sample))
-    counts = torch.zeros(pipe.target.config.shape.vocab_size)
-    for ids in replies:
-        counts.index_add_(0, torch.tensor(ids, dtype=torch.long), torch.ones(len(ids)))
-    counts[list(pipe.target.config.eos_token_ids)] += counts.max()
-    return torch.topk(counts, min(count, len(counts))).indices.sort().values
-
-
-@torch.no_grad()
-def target_features(target: TargetModel, batch: list[list[int]], layer_ids: tuple[int, ...]):
-    """One prefill: tokens [B, T], features [B, T, N*H] and final hidden states [B, T, H] (right-padded).
-
-    Labels come from the final hidden states only where a block needs them: the 49K-way head over
-    every position would cost more than the prefill itself.
-    """
-    T, device = max(map(len, batch)), target.device
-    tokens = torch.tensor([ids + [0] * (T - len(ids)) for ids in batch], dtype=torch.long, device=device)
-    final, features = target.whole_pass(tokens, layer_ids, apply_head=False)
-    return tokens, features, final
-
-
-class CachedSequence(NamedTuple):
-    tokens: torch.Tensor  # [T] token ids
-    features: torch.Tensor  # [T, N*H] bf16: the target's hidden states after target_layer_ids
-    final: torch.Tensor  # [T, H] bf16: its final-normed hidden states (soft labels go through the head)
-    labels: torch.Tensor  # [T] its argmax at each position
-    first_anchor: int
-
-
-CACHE_FORMAT = 2
-
-
-def cached_features(target: TargetModel, texts_from, layer_ids: tuple[int, ...], num_tokens: int,
-                    path: Path, source: dict, ranks: Ranks = Ranks()) -> list[CachedSequence]:
-    """Target features of the first `num_tokens` training tokens (or all of them, one epoch, if
-    fewer), computed once and kept in `path` (~7 KB per token). texts_from(skip) yields the training
-    texts after the first `skip`; a cache made when there were fewer (the responses grew, or a larger
-    `num_tokens`) is extended with the new ones.
-
-    Training then draws batches from them. On SmolLM2-135M, 2 threads, the prefill was more than half
-    of an online step (~4.5 s for 8 x 256 tokens), and the target's argmax labels through the
-    49K-way head another large part: both are paid once per token here instead of once per visit.
-    Under torchrun each rank computes every world-th new text's features, and every rank then holds them all
-    (any rank may draw any sequence); rank 0 writes the file.
-    """
-    sequences, read = [], 0
-    if path.is_file():
-        saved = torch.load(path, weights_only=False)
-        if not isinstance(saved, dict) or saved.get("format") != CACHE_FORMAT or saved.get("source") != source:
-            raise DFlashError(f"{path} was made by another trainer version or from other data or options "
-                              f"(this run: {source}); delete it to rebuild")
-        sequences, read = [CachedSequence(*fields) for fields in saved["sequences"]], saved["texts_read"]
-    cached, pending = sum(len(c.tokens) for c in sequences), []
-    if cached < num_tokens:
-        for text in texts_from(read):
-            read += 1
-            if text is not None:
-                pending.append(text)
-                cached += len(text[0])
-            if cached >= num_tokens:
-                break
-    if not pending and not sequences:
-        raise DFlashError("no training sequences of at least 32 tokens to cache")
-    if not pending:
-        return sequences
-    pending.sort(key=lambda text: len(text[0]))  # batches of similar lengths: little padding
-    prefills = -(-len(pending[::ranks.world]) // 8)  # the largest share's: rank 0's
-    computed = features_of(target, ranks.share(pending), layer_ids, ranks, prefills, spare=pending[0][0])
-    if ranks.distributed:
-        computed = gathered(computed, len(pending), path, ranks)
-    sequences += computed
-    if ranks.main:
-        # plain tuples: a pickled class would tie the file to the module that ran the trainer
-        torch.save({"format": CACHE_FORMAT, "source": source, "texts_read": read,
-                    "sequences": [tuple(c) for c in sequences]}, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
-    return sequences
-
-
-def features_of(target: TargetModel, texts: list[tuple[list[int], int]], layer_ids: tuple[int, ...],
-                ranks: Ranks, prefills: int, spare: list[int]) -> list[CachedSequence]:
-    """The cache entries of texts, in their order: prefills of 8 texts at a time.
-
-    Every rank runs `prefills` of them, its share's or more (a sharded target's prefill is a collective that every
-    rank must join): past its own texts a rank prefills `spare` and keeps nothing of it."""
-    entries = []
-    bar = tqdm(total=sum(len(ids) for ids, _ in texts), desc="cache target features", unit="tok",
-               disable=not ranks.main)
-    for start in range(0, 8 * prefills, 8):
-        batch = texts[start:start + 8]
-        if not batch:
-            target_features(target, [spare], layer_ids)
-            continue
-        tokens, features, final = target_features(target, [ids for ids, _ in batch], layer_ids)
-        for i, (ids, first) in enumerate(batch):
-            n = len(ids)
-            with torch.no_grad():
-                labels = target.lm_head(final[i, :n]).argmax(-1).cpu()
-            entries.append(CachedSequence(tokens[i, :n].cpu(), features[i, :n].bfloat16().cpu(),
-                                          final[i, :n].bfloat16().cpu(), labels, first))
-            bar.update(n)
-    bar.close()
-    return entries
-
-
-def gathered(mine: list[CachedSequence], count: int, path: Path, ranks: Ranks) -> list[CachedSequence]:
-    """Every rank's share (Ranks.share of `count` entries) back in one list in the order of the whole, through
-    part files beside the cache (the output directory is shared by the ranks: it holds the checkpoints too)."""
-    part = path.with_name(f"{path.stem}.rank{ranks.rank}.tmp")
-    torch.save([tuple(c) for c in mine], part)
-    distributed.barrier()
-    shares = [[CachedSequence(*fields) for fields in torch.load(path.with_name(f"{path.stem}.rank{r}.tmp"),
-                                                                  weights_only=False)] for r in range(ranks.world)]
-    distributed.barrier()  # everyone has read every part
-    part.unlink()
-    return [shares[i % ranks.world][i // ranks.world] for i in range(count)]
-
-
-def sample_batch(sequences: list[CachedSequence], batch_size: int, generator: torch.Generator,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", ranks: Ranks = Ranks()):
-    """A random batch from cached features: the texts of the whole batch, and this rank's share of it right-padded
-    like target_features' output, plus labels.
-
-    Assembled on the host (the cache lives there), then moved to `device` in one copy per tensor."""
-    drawn = [sequences[i] for i in torch.randint(len(sequences), (batch_size,), generator=generator).tolist()]
-    picked = ranks.share(drawn)
-    T = max(len(c.tokens) for c in picked)
-    tokens = torch.zeros(len(picked), T, dtype=torch.long, device="cpu")
-    labels = torch.zeros(len(picked), T, dtype=torch.long, device="cpu")
-    features = torch.zeros(len(picked), T, picked[0].features.shape[-1], dtype=dtype, device="cpu")
-    final = torch.zeros(len(picked), T, picked[0].final.shape[-1], dtype=dtype, device="cpu")
-    for i, c in enumerate(picked):
-        n = len(c.tokens)
-        tokens[i, :n], features[i, :n], final[i, :n], labels[i, :n] = c.tokens, c.features, c.final, c.labels
-    tensors = tuple(t.to(device, non_blocking=True) for t in (tokens, features, final, labels))
-    return [(c.tokens.tolist(), c.first_anchor) for c in drawn], tensors
-
-
-def drafter_hidden(drafter: DFlashDrafter, target: TargetModel, tokens, features, anchors, block_size: int):
-    """Draft hidden states for many blocks at once: the drafter's own forward, with the context K/V
-    of every position computed in the graph instead of read from a cache. anchors: [B, A] -> [B, A*S, H]."""
-    B, T = tokens.shape
-    A, S, device = anchors.shape[1], block_size, tokens.device
-    context = drafter.context(features).flatten(0, 1)  # [B * T, H]
-    context_positions = torch.arange(T, device=device).repeat(B)
-    block_positions = (anchors[:, :, None] + torch.arange(S, device=device)).flatten(1)
-    block_tokens = torch.full((B, A, S), drafter.config.mask_token_id, device=device)
-    block_tokens[:, :, 0] = tokens.gather(1, anchors)
-    query_anchor = anchors.repeat_interleave(S, dim=1)  # [B, A*S]
-    sees_context = torch.arange(T, device=device)[None, None, :] < query_anchor[:, :, None]  # before the anchor
-    block_id = torch.arange(A, device=device).repeat_interleave(S)
-    sees_block = (block_id[:, None] == block_id[None, :]).expand(B, A * S, A * S)
-    mask = torch.cat([sees_context, sees_block], dim=2)[:, None]
-
-    def keys_values(layer: int):  # the context's k, v, then the blocks': [B, KV, T + A*S, D]
-        context_k, context_v = drafter.context_kv(layer, context, context_positions)  # [B * T, KV, D]
-        context_k, context_v = (x.unflatten(0, (B, T)).transpose(1, 2) for x in (context_k, context_v))
-        return lambda k, v: (torch.cat([context_k, k.transpose(1, 2)], dim=2),
-                             torch.cat([context_v, v.transpose(1, 2)], dim=2))
-
-    return drafter.draft(target.embed(block_tokens.flatten(1)), block_positions, keys_values, mask)
-
-
-def block_loss(drafter, target, tokens, features, final, lengths, block_size, anchors_per_seq, decay, generator,
-               vocab_subset: torch.Tensor | None = None, soft_labels: bool = False,
-               first_anchors: list[int] | None = None, labels: torch.Tensor | None = None):
-    """Weighted CE over block positions 1..S-1 and per-position accuracy (correct, counted).
-
-    first_anchors: per sequence, the first position a block may start at (default 1: the block must
-    have at least one context token); the anchors are drawn from generator (draw_anchors).
-    vocab_subset, soft_labels, labels: block_loss_terms.
-    """
-    anchors = draw_anchors(first_anchors or [1] * len(lengths), lengths, anchors_per_seq, generator).to(tokens.device)
-    hidden = drafter_hidden(drafter, target, tokens, features, anchors, block_size)
-    weighted, weight, correct, counted = block_loss_terms(hidden, target, tokens, final, lengths, anchors, block_size,
-                                                          decay, vocab_subset, soft_labels, labels)
-    return weighted / weight, correct, counted
-
-
-def block_loss_terms(hidden, target, tokens, final, lengths, anchors, block_size, decay,
-                     vocab_subset: torch.Tensor | None = None, soft_labels: bool = False,
-                     labels: torch.Tensor | None = None, vocab_union=lambda ids: ids):
-    """The block loss's parts for draft hidden states [B, A*S, H] at anchors [B, A]: (the weighted sum of the
-    per-token losses, the sum of their weights, correct and counted per block position); the loss is their ratio.
-
-    Apart, so that ranks that share a batch add up their sums before dividing (train_step).
-    vocab_subset: train the softmax over these ids plus the batch's labels instead of the whole
-    vocabulary (the head is frozen and shared; evaluation always uses the whole vocabulary); vocab_union(ids)
-    -> the batch's label ids of every rank (under torchrun), so that every rank's softmax runs over the same ids.
-    soft_labels: match the target's distribution (over the same ids, KL divergence) instead of its
-    argmax; the accuracy still counts argmax agreement, which is what greedy acceptance needs.
-    labels: the target's argmax at every position [B, T], if known (cached): saves the full head.
-    """
-    S, device = block_size, tokens.device
-    hidden = hidden.unflatten(1, (anchors.shape[1], S))
-    k = torch.arange(1, S, device=device)
-    label_pos = anchors[:, :, None] + k - 1  # the target's prediction for block position k
-    valid = label_pos < torch.tensor(lengths, device=device)[:, None, None] - 1
-    rows = torch.arange(len(lengths), device=device)[:, None, None].expand_as(label_pos)[valid]
-    label_final = final[rows, label_pos[valid]]
-    if labels is not None:
-        target_ids = labels[rows, label_pos[valid]]
-    else:
-        with torch.no_grad():
-            target_ids = target.lm_head(label_final).argmax(-1)
-    head = target.lm_head.weight
-    if vocab_subset is not None:
-        ids = torch.unique(torch.cat([vocab_subset, vocab_union(target_ids)]))
-        head = head[ids]
-        target_ids = torch.searchsorted(ids, target_ids)
-    # the softmax and the loss in float32 whatever the matmuls ran in (bf16 autocast, a bf16 target)
-    logits = (hidden[:, :, 1:][valid] @ head.T).float()
-    weights = torch.exp(-(k - 1) / decay).expand_as(label_pos)[valid]
-    if soft_labels:  # KL(target || draft): the soft cross-entropy's gradient, 0 when the draft matches
-        with torch.no_grad():
-            target_log_probs = (label_final @ head.T).float().log_softmax(-1)
-        per_token = F.kl_div(logits.log_softmax(-1), target_log_probs, reduction="none", log_target=True).sum(-1)
-    else:
-        per_token = F.cross_entropy(logits, target_ids, reduction="none")
-    hits = (logits.argmax(-1) == target_ids)
-    position = k.expand_as(label_pos)[valid] - 1
-    correct = torch.zeros(S - 1, device=device).index_add_(0, position, hits.float())
-    counted = torch.zeros(S - 1, device=device).index_add_(0, position, torch.ones_like(hits, dtype=torch.float))
-    return (per_token * weights).sum(), weights.sum(), correct.cpu(), counted.cpu()
-
-
-def draw_anchors(first_anchors: list[int], lengths: list[int], count: int, generator: torch.Generator):
-    """[B, count] block start positions, first_anchor <= a < length - 1 per sequence.
-
-    Drawn on the host from a CPU generator whatever device trains: the same seed gives the same blocks
-    on any device, and a checkpoint's generator state resumes anywhere.
-    """
-    return torch.stack([
-        torch.randint(first, max(first + 1, n - 1), (count,), generator=generator, device="cpu")
-        for first, n in zip(first_anchors, lengths)
-    ])
-
-
-def estimated_acceptance(correct: torch.Tensor, counted: torch.Tensor) -> float:
-    """tau estimated from per-position accuracies, treating them as conditional acceptance rates."""
-    acc = (correct / counted.clamp_min(1)).tolist()
-    tau, survive = 1.0, 1.0
-    for a in acc:
-        survive *= a
-        tau += survive
-    return tau
-
-
-class BlockDrafting(torch.nn.Module):
-    """drafter_hidden as one module call, which DistributedDataParallel wraps under torchrun: its backward
-    all-reduces the drafter's gradients. The frozen target is held outside the module's tree, so that DDP neither
-    broadcasts nor watches its weights."""
-
-    def __init__(self, drafter: DFlashDrafter, target: TargetModel):
-        super().__init__()
-        self.drafter, self.frozen = drafter, (target,)
-
-    def forward(self, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        return drafter_hidden(self.drafter, self.frozen[0], tokens, features, anchors, self.drafter.config.block_size)
 
 
 @dataclasses.dataclass
@@ -482,12 +161,6 @@ class TrainingRun:
 
     def total_cpu_seconds(self) -> float:
         return self.cpu_seconds + time.process_time() - self.session_cpu
-
-
-class HeldOut(NamedTuple):
-    texts: list[list[int]]  # held-out ShareGPT conversations: loss and per-position accuracy
-    features: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # target_features(texts)
-    prompts: list[list[int]]  # held-out prompts decoded to measure tau
 
 
 def train(args: argparse.Namespace) -> None:
@@ -604,21 +277,11 @@ def free_device_memory(device: str) -> float | None:
     return torch.cuda.mem_get_info(torch.device(device))[0] / memory.GIB
 
 
-def recipe_decay(block_size: int) -> float:
-    """The position decay of ModelOpt's DFlash recipe (4 at block 8, 7 at block 16), on the line through both."""
-    return 1 + 3 * block_size / 8
-
-
 def check_device(device: str) -> None:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise DFlashError(f"--device {device}: torch sees no CUDA device (torch {torch.__version__})")
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # float32 GEMMs on tensor cores, as the H200 run did
-
-
-def autocast(args: argparse.Namespace):
-    """bf16 autocast of the drafter's forward with --dtype bfloat16 (the loss itself stays float32)."""
-    return torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
 
 
 def resume(run: TrainingRun) -> None:
@@ -645,15 +308,6 @@ def save_checkpoint(run: TrainingRun) -> None:
                 "cpu_seconds": run.total_cpu_seconds()}, tmp)
     tmp.replace(run.checkpoint_path)
     save_drafter(run.drafter, run.out / "drafter")
-
-
-def heldout_data(run: TrainingRun) -> HeldOut:
-    """The same held-out texts and prompts at every evaluation, and the target's features of the texts."""
-    args = run.args
-    texts = _heldout_batch(run.pipe, args.seq_len, args.batch_size * 2)
-    prompts = [run.pipe.encode(p) for p, _ in itertools.islice(
-        ((p, r) for p, r in sharegpt_conversations("heldout") if len(p) < 300), args.tau_prompts)]
-    return HeldOut(texts, target_features(run.target, texts, run.drafter.config.target_layer_ids), prompts)
 
 
 def batch_source(run: TrainingRun):
@@ -755,102 +409,6 @@ def label_union(ids: torch.Tensor, vocab_size: int, ranks: Ranks) -> torch.Tenso
     present = torch.zeros(vocab_size, dtype=torch.int32, device=ids.device)
     present[ids] = 1
     return distributed.all_sum(present).nonzero().flatten()
-
-
-def _heldout_batch(pipe: Pipeline, seq_len: int, n: int) -> list[list[int]]:
-    batch = []
-    for prompt, reply in sharegpt_conversations("heldout"):
-        ids = (pipe.encode(prompt) + pipe.tokenizer.encode(reply, add_special_tokens=False))[:seq_len]
-        if len(ids) >= 64:
-            batch.append(ids)
-        if len(batch) == n:
-            return batch
-    raise DFlashError("not enough held-out ShareGPT conversations")
-
-
-@torch.no_grad()
-def measured_acceptance(drafter: DFlashDrafter, target: TargetModel, prompts: list[list[int]], block_size: int,
-                        max_new_tokens: int = 48) -> float:
-    """Real tau: greedy DFlash decoding of held-out prompts with a frozen copy of the drafter."""
-    frozen = copy.deepcopy(drafter).requires_grad_(False).to(target.dtype)  # the engine runs one dtype
-    prepare_for_inference(frozen)
-    engine = SpeculativeEngine(target, frozen, block_size=block_size, max_batch_size=len(prompts))
-    seqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
-    lengths = [a for s in seqs for a in s.stats.acceptance_lengths]
-    return sum(lengths) / len(lengths)
-
-
-def evaluate(run: TrainingRun, heldout: HeldOut) -> dict:
-    """A learning-curve record: the last step's training loss, held-out loss, accuracy by block position, tau
-    estimated and (with --tau-prompts) measured. cpu_hours are rank 0's under torchrun (world_size says how many
-    ranks trained the last step)."""
-    drafter, args = run.drafter, run.args
-    drafter.eval()
-    tokens, features, final = heldout.features
-    generator = torch.Generator().manual_seed(1234)  # the same anchors every time: comparable points
-    with torch.no_grad(), autocast(args):
-        loss, correct, counted = block_loss(drafter, run.target, tokens, features, final,
-                                            [len(b) for b in heldout.texts], drafter.config.block_size, args.anchors,
-                                            args.decay, generator)
-    record = {
-        "step": run.step,
-        "tokens_seen": run.seen_tokens,
-        "cpu_hours": round(run.total_cpu_seconds() / 3600, 4),
-        "world_size": run.ranks.world,
-        **({"train_loss": round(run.last_loss, 4)} if run.last_loss is not None else {}),
-        "heldout_loss": round(loss.item(), 4),
-        "heldout_accuracy_by_position": [round(x, 4) for x in (correct / counted.clamp_min(1)).tolist()],
-        "heldout_estimated_tau": round(estimated_acceptance(correct, counted), 3),
-    }
-    if heldout.prompts:
-        record["heldout_measured_tau"] = round(measured_acceptance(drafter, run.target, heldout.prompts,
-                                                                   drafter.config.block_size), 3)
-    return record
-
-
-def evaluate_and_record(run: TrainingRun, heldout: HeldOut, curve) -> None:
-    """Evaluate, append the record to learning_curve.jsonl and redraw learning_curve.png."""
-    record = evaluate(run, heldout)
-    curve.write(json.dumps(record) + "\n")
-    curve.flush()
-    plot_learning_curve(run.out / "learning_curve.jsonl", run.out / "learning_curve.png")
-    measured = f", measured {record['heldout_measured_tau']:.2f}" if "heldout_measured_tau" in record else ""
-    tqdm.write(f"step {run.step}: held-out loss {record['heldout_loss']:.3f}, "
-               f"acc@1 {record['heldout_accuracy_by_position'][0]:.3f}, tau estimated "
-               f"{record['heldout_estimated_tau']:.2f}{measured}")
-
-
-def plot_learning_curve(curve_path: Path, png_path: Path) -> None:
-    """tau (measured and estimated) and held-out block-position-1 accuracy against training tokens.
-
-    Skipped where matplotlib is not installed (a lent GPU machine): learning_curve.jsonl is the record."""
-    if importlib.util.find_spec("matplotlib") is None:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = [json.loads(line) for line in curve_path.read_text().splitlines() if line.strip()]
-    tokens = [r["tokens_seen"] / 1e6 for r in records]
-    fig, (tau, acc) = plt.subplots(1, 2, figsize=(11, 4))
-    measured = [(t, r["heldout_measured_tau"]) for t, r in zip(tokens, records) if "heldout_measured_tau" in r]
-    if measured:
-        tau.plot(*zip(*measured), marker="o", label="measured (greedy decoding, held-out prompts)")
-    tau.plot(tokens, [r["heldout_estimated_tau"] for r in records], marker=".", label="estimated from accuracies")
-    tau.set(xlabel="training tokens (millions)", ylabel="mean acceptance length tau", title="tau vs training tokens")
-    tau.legend()
-    acc.plot(tokens, [r["heldout_accuracy_by_position"][0] for r in records], marker=".", label="block position 1")
-    acc.plot(tokens, [r["heldout_accuracy_by_position"][-1] for r in records], marker=".", label="last position")
-    if records[-1]["cpu_hours"] > records[0]["cpu_hours"]:
-        top = acc.twiny()
-        top.set_xlim(records[0]["cpu_hours"], records[-1]["cpu_hours"])
-        top.set_xlabel("CPU hours")
-    acc.set(xlabel="training tokens (millions)", ylabel="held-out accuracy", ylim=(0, 1))
-    acc.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("DFLASH_CPU_WEIGHTS", "float32")
 sys.path.insert(0, str(REPO))
 
-from dflash_training.train_drafter import block_loss, new_drafter, target_features  # noqa: E402
+from dflash_training.block_loss import block_loss  # noqa: E402
+from dflash_training.features import target_features  # noqa: E402
+from dflash_training.train_drafter import new_drafter  # noqa: E402
 from dflash_runtime import SamplingParams, SpeculativeEngine, load_drafter, load_target, save_drafter  # noqa: E402
 
 def pytest_configure(config):

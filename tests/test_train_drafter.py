@@ -14,8 +14,10 @@ from dflash_runtime import SamplingParams, SpeculativeEngine, load_target
 from dflash_runtime.pipeline import load_pipeline
 from dflash_tools.prompts import sharegpt_conversations
 from dflash_training import memory
-from dflash_training.train_drafter import (CachedSequence, block_loss, draw_anchors, main, new_drafter, recipe_decay,
-                                           target_features, training_texts)
+from dflash_training.block_loss import block_loss, draw_anchors, recipe_decay
+from dflash_training.features import CachedSequence, target_features
+from dflash_training.train_drafter import main, new_drafter
+from dflash_training.training_data import training_texts
 
 
 @pytest.mark.parametrize("soft_labels", [False, True], ids=["argmax labels", "distribution labels"])
