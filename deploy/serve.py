@@ -61,6 +61,21 @@ class ServeError(RuntimeError):
     pass
 
 
+def stub_python(version: str) -> tuple[Path, str | None]:
+    """(the python for the backend stub's prefix, the folder of its libpython where the loader would not find it).
+    The system's python of this version first: the stub finds its libpython where the loader looks (this
+    environment's own python may be another build of the version, whose extension modules do not link against it);
+    else this environment's base python, where it was built with a shared libpython (pyenv's, `--enable-shared`)."""
+    system = Path(f"/usr/bin/python{version}")
+    if system.exists():
+        return system, None
+    base = Path(sysconfig.get_config_var("BINDIR")) / f"python{version}"
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and base.exists():
+        return base, sysconfig.get_config_var("LIBDIR")
+    raise ServeError(f"the Python backend stub needs a Python {version} with a shared libpython: the system's "
+                     f"({system}: apt install python{version}), or a build with --enable-shared")
+
+
 def _bundled_server(runtime: Path) -> tuple[Path, dict[str, str]]:
     """(tritonserver binary, extra environment) from the nvidia-pytriton wheel; backends go into `runtime`."""
     try:
@@ -78,20 +93,16 @@ def _bundled_server(runtime: Path) -> tuple[Path, dict[str, str]]:
     for source in (root / "backends" / "python").iterdir():
         (backend / source.name).symlink_to(source)
     (backend / stub.name).symlink_to(stub)
-    # The stub embeds the system's libpython 3.11 in isolated mode (PYTHONPATH is ignored) and takes
+    # The stub embeds a libpython of this version in isolated mode (PYTHONPATH is ignored) and takes
     # its prefix from the `python3` found on PATH. So we put a tiny virtual environment first on PATH:
-    # the system's python3.11 (its standard library matches the libpython the stub links; this
-    # environment's own python may be another 3.11 build whose extension modules do not link
-    # against it) whose site-packages holds one .pth that adds this environment's site directories
-    # (with their own .pth files: editable installs).
+    # a python whose standard library matches the libpython the stub links (stub_python), whose
+    # site-packages holds one .pth that adds this environment's site directories (with their own .pth
+    # files: editable installs).
     shim = runtime / "python"
     (shim / "bin").mkdir(parents=True)
-    system_python = Path("/usr/bin/python3.11")
-    if not system_python.exists():
-        raise ServeError(f"the Python backend stub needs the system's Python 3.11 ({system_python}, "
-                         "apt install python3.11)")
-    (shim / "bin" / "python3").symlink_to(system_python)
-    (shim / "pyvenv.cfg").write_text(f"home = {system_python.parent}\ninclude-system-site-packages = false\n")
+    python, libdir = stub_python(version)
+    (shim / "bin" / "python3").symlink_to(python)
+    (shim / "pyvenv.cfg").write_text(f"home = {python.parent}\ninclude-system-site-packages = false\n")
     site = shim / "lib" / f"python{version}" / "site-packages"
     site.mkdir(parents=True)
     site_dirs = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
@@ -99,7 +110,7 @@ def _bundled_server(runtime: Path) -> tuple[Path, dict[str, str]]:
         "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n")
     libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
     env = {
-        "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(libs), os.environ.get("LD_LIBRARY_PATH")])),
+        "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(libs), libdir, os.environ.get("LD_LIBRARY_PATH")])),
         "PATH": os.pathsep.join([str(shim / "bin"), os.environ.get("PATH", "")]),
     }
     return root / "bin" / "tritonserver", env
