@@ -26,7 +26,7 @@ from clients.transport import GrpcTransport, Response
 from dflash_contract.protocol import LIMITS
 from dflash_contract.server import GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH
 
-from . import api
+from . import answers, api
 from .chat_template import ChatTemplate
 from .metrics import CHAT_PATH, COMPLETIONS_PATH, CONTENT_TYPE, FirstText, GatewayMetrics, MetricsMiddleware
 from .reasoning import StreamSplitter
@@ -187,7 +187,7 @@ async def _answer(request: Request, transport: GrpcTransport, t: api.Translated,
         raise api.APIError(499, "the client closed the connection") from None
     except DFlashClientError as e:
         raise _api_error(e) from None
-    build = api.chat_response if chat else api.completion_response
+    build = answers.chat_response if chat else answers.completion_response
     return build(t, model_id, [(text, last.finish_reason, last.stats, entries) for text, last, entries in results])
 
 
@@ -264,8 +264,8 @@ async def _events(t: api.Translated, model_id: str, chat: bool, streams: list[tu
             if has_text:
                 first_text()
         if t.include_usage:
-            stats = api.combined([lasts[i].stats for i in range(len(streams))])
-            yield _event((api.chat_chunk if chat else api.completion_chunk)(t, model_id, None, stats=stats))
+            stats = answers.combined([lasts[i].stats for i in range(len(streams))])
+            yield _event((answers.chat_chunk if chat else answers.completion_chunk)(t, model_id, None, stats=stats))
     except DFlashClientError as e:
         yield _event(_api_error(e).body())
     yield "data: [DONE]\n\n"
@@ -313,16 +313,16 @@ async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: in
     lasts[index]."""
     def chunk(text: str, reason: str | None = None, stats=None, entries=None) -> dict:
         if not chat:
-            return api.completion_chunk(t, model_id, text, reason, stats, index, entries)
+            return answers.completion_chunk(t, model_id, text, reason, stats, index, entries)
         delta = {"content": text} if text or reason is None else {}  # the finish chunk's is empty without text
-        return api.chat_chunk(t, model_id, delta, reason, stats, index, entries)
+        return answers.chat_chunk(t, model_id, delta, reason, stats, index, entries)
 
     held = chat and t.tools is not None and t.tools.parses  # the whole answer is needed to find its tool calls
     thoughts = StreamSplitter() if chat and t.reasoning and not held else None
     texts, entries = [], []  # entries: logprobs of tokens whose text has not gone out yet
     async with contextlib.aclosing(responses):
         if chat:
-            yield api.chat_chunk(t, model_id, {"role": "assistant", "content": ""}, index=index), False
+            yield answers.chat_chunk(t, model_id, {"role": "assistant", "content": ""}, index=index), False
         response = first
         while not _finished(response):
             entries += response.logprobs or []
@@ -331,7 +331,7 @@ async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: in
             elif response.text and thoughts is not None:
                 thought, text = thoughts.feed(response.text)
                 if thought:
-                    yield api.chat_chunk(t, model_id, {"reasoning_content": thought}, index=index), True
+                    yield answers.chat_chunk(t, model_id, {"reasoning_content": thought}, index=index), True
                 if text:
                     yield chunk(text), True
             elif response.text:
@@ -345,7 +345,7 @@ async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: in
         elif thoughts is not None:
             thought, text = thoughts.feed(response.text, final=True)
             if thought:
-                yield api.chat_chunk(t, model_id, {"reasoning_content": thought}, index=index), True
+                yield answers.chat_chunk(t, model_id, {"reasoning_content": thought}, index=index), True
             yield chunk(text, response.finish_reason, response.stats), bool(text)
         else:
             yield chunk(response.text, response.finish_reason, response.stats, entries + (response.logprobs or [])), \
@@ -355,13 +355,13 @@ async def _choice_chunks(t: api.Translated, model_id: str, chat: bool, index: in
 def _tool_chunks(t: api.Translated, model_id: str, text: str, last: Response, index: int) -> list[dict]:
     """The end of a held stream: its content, its tool calls (one delta, each call whole, as OpenAI's chunks carry
     them: index, id, type, function name and arguments), then the finish chunk."""
-    message, reason = api.chat_message(t, text, last.finish_reason)
-    chunks = [api.chat_chunk(t, model_id, {name: message[name]}, index=index)
+    message, reason = answers.chat_message(t, text, last.finish_reason)
+    chunks = [answers.chat_chunk(t, model_id, {name: message[name]}, index=index)
               for name in ("reasoning_content", "content") if message.get(name)]
     if "tool_calls" in message:
         calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        chunks.append(api.chat_chunk(t, model_id, {"tool_calls": calls}, index=index))
-    chunks.append(api.chat_chunk(t, model_id, {}, reason, last.stats, index))
+        chunks.append(answers.chat_chunk(t, model_id, {"tool_calls": calls}, index=index))
+    chunks.append(answers.chat_chunk(t, model_id, {}, reason, last.stats, index))
     return chunks
 
 

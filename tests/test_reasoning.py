@@ -7,7 +7,8 @@ import openai
 import pytest
 
 from deploy.serve import start_gateway
-from gateway.api import chat_message, chat_request
+from gateway.answers import chat_message
+from gateway.api import chat_request
 from gateway.reasoning import StreamSplitter, split
 
 MODEL = "smollm2-135m"
