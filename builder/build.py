@@ -24,17 +24,17 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from builder.options import (BuildOptions, build_parser, check_context_room, check_options, option_notes,
                              options_from_args, reasoning_parser)
 from builder.render import TORCH_MODELS, render_repository
+from builder.sanity import SANITY_PROMPTS, sanity_run
 from builder.staging import partial_folder, publish, remove_abandoned
+from builder.summary import summary
 from dflash_contract import DFlashError
 from dflash_contract.layout import (DRAFTER_DIR, MANIFEST_FILE, REPOSITORY_DIR, TARGET_DIR, TRTLLM_OPTIONS_FILE,
                                     VERIFY_PROFILE_FILE, build_key, file_hashes, in_build, read_manifest)
 from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_KV_CONTEXT, DEFAULT_SPECULATIVE_SAMPLING, PRESETS
 from dflash_runtime.checkpoint import is_hub_id, resolve_checkpoint, resolve_target
 from dflash_runtime.config import DrafterConfig, TargetConfig, TransformerShape, read_json
-from dflash_runtime.verify_length import StepCosts, auto_in_words
 
 PACKAGES = ("torch", "transformers", "nvidia-modelopt", "tritonclient", "nvidia-pytriton", "tensorrt-llm")
-SANITY_PROMPTS = ["Explain what a hash table is and when to use one.", "Write a haiku about autumn."]
 
 
 @dataclass
@@ -269,45 +269,6 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
     }
 
 
-def sanity_run(build: Path, inputs: Inputs, opts: BuildOptions) -> dict:
-    """Autoregressive vs DFlash on the built artifacts: token identity, tau and speed. With block size
-    auto, the engine's profile of step times (all batch sizes up to the build's) goes to
-    VERIFY_PROFILE_FILE for the server. Without a drafter: plain decoding only, its speed (the build loads
-    and generates; there is nothing to compare)."""
-    from dflash_runtime.pipeline import load_pipeline
-    from dflash_tools.benchmark import measure
-
-    drafter = str(build / DRAFTER_DIR) if inputs.drafter_dir else None
-    pipe = load_pipeline(str(build / TARGET_DIR), drafter, opts.dtype, opts.device, cpu_weights=opts.cpu_weights)
-    prompts = [pipe.encode(p) for p in SANITY_PROMPTS]
-    autoregressive = pipe.engine(block_size=1, max_batch_size=1, max_context=inputs.max_context)
-    if drafter is None:
-        plain = measure(pipe, None, autoregressive, {}, prompts, opts.sanity_tokens, "sanity")
-        return {"num_prompts": plain["num_prompts"], "tokens_per_second": plain["tokens_per_second"]}
-    dflash = pipe.engine(block_size=inputs.block_size, max_batch_size=opts.max_batch_size,
-                         max_context=inputs.max_context, suffix_drafts=opts.suffix_drafts)
-    result = measure(pipe, None, autoregressive, {str(inputs.block_size): dflash}, prompts, opts.sanity_tokens,
-                     "sanity")
-    served = pipe.target.served_weights
-    if served is not None:
-        result["cpu_weights"] = served.describe()
-        if served.chosen != "float32":  # another model than the float32 one: how far, briefly (4 prompts)
-            from dflash_tools.weights_quality import weights_quality
-
-            result["cpu_weights_quality"] = weights_quality(build / TARGET_DIR, served.chosen, prompts=4, tokens=32,
-                                                            texts=2, progress=False, served=pipe.target)
-    if dflash.graphs.capture:
-        report = dflash.graphs.report
-        result["cuda_graphs"] = {"graphs": report.graphs, "MiB": round(report.pool_bytes / 2 ** 20, 1),
-                                 "seconds": round(report.seconds, 2)}
-    if dflash.policy is not None:
-        profile = dflash.policy.costs.to_json()
-        (build / VERIFY_PROFILE_FILE).write_text(json.dumps(profile, indent=2) + "\n")
-        rates = [round(p, 4) for p in dflash.policy.acceptance["greedy"].rates()]  # the sanity run is greedy
-        result["verify_profile"] = {**profile, "acceptance_rates": rates}
-    return result
-
-
 def package_versions() -> dict[str, str | None]:
     versions = {}
     for name in PACKAGES:
@@ -408,7 +369,8 @@ def _build_into(stage: Path, output: Path, inputs: Inputs, opts: BuildOptions, h
         copy_checkpoint(quantized, stage / TARGET_DIR)
     if inputs.drafter_dir:
         copy_checkpoint(inputs.drafter_dir, stage / DRAFTER_DIR)
-    sanity = sanity_run(stage, inputs, opts) if opts.sanity_tokens else None
+    sanity = (sanity_run(stage, opts, inputs.drafter_dir is not None, inputs.block_size, inputs.max_context)
+              if opts.sanity_tokens else None)
     trtllm = None
     if opts.runtime == "torch":
         render_repository(stage / REPOSITORY_DIR, repository_values(inputs, opts))
@@ -475,84 +437,6 @@ def _check_writable(folder: Path) -> None:
         raise DFlashError(f"cannot create the output's parent folder {folder}: {e.strerror}") from None
     if not os.access(folder, os.W_OK):
         raise DFlashError(f"the output's parent folder {folder} is not writable")
-
-
-MEASURED_WITH = {"fake_quant": "on the fake-quantized model (ModelOpt's emulation of the GPU's arithmetic)",
-                 "dequantized": "on the exported checkpoint as our runtime loads it (weights dequantized)"}
-
-
-def quality(quantization: dict) -> str:
-    """The quantization report's headline in words: perplexity against the unquantized target, and how
-    long greedy decoding stays on the unquantized target's own greedy path."""
-    from dflash_tools.quality import agreement_in_words
-
-    ppl, base = quantization["perplexity"], quantization["unquantized"]["perplexity"]
-    return (f"perplexity {ppl:.2f} vs {base:.2f} unquantized ({ppl / base - 1:+.1%}); "
-            f"{agreement_in_words(quantization['greedy_agreement'])}; {MEASURED_WITH[quantization['measured_with']]}"
-            + (f"; quantized earlier, reused {quantization['reused']}" if quantization.get("reused") else ""))
-
-
-def summary(manifest: dict, output: Path) -> str:
-    options, sanity, trtllm = manifest["options"], manifest.get("sanity") or {}, manifest.get("trtllm")
-    batch = f"max batch {options['max_batch_size']}"
-    if trtllm:
-        from builder.trtllm import resolve_gpu
-
-        speculative = trtllm["options"]["speculative_config"]
-        drafts = f"max_draft_len {speculative['max_draft_len']}" + (
-            f", draft_len_schedule {speculative['draft_len_schedule']}" if "draft_len_schedule" in speculative else "")
-        runtime = f"trtllm: TensorRT-LLM's PyTorch backend on {resolve_gpu(options['gpu'])}, {drafts}, {batch}"
-    else:
-        runtime = (f"torch: our PyTorch runtime, {options['dtype']} on {options['device']}, "
-                   f"block {options['block_size']}, {batch}, KV cache {options['kv_cache_tokens']} tokens, prefix "
-                   f"caching {'on' if options['prefix_caching'] else 'off'}, prefill chunk "
-                   f"{options['prefill_chunk'] or 'off'}")
-    rows = [("build", str(output) + ("  (reused: inputs unchanged)" if manifest.get("reused") else "")),
-            ("target", f"{manifest['inputs']['target']} ({manifest['inputs']['target_dir']})"),
-            ("drafter", manifest["inputs"]["drafter_dir"] or "none"),
-            ("runtime", runtime),
-            ("quantization", options["quant"] + (f", KV {options['kv_cache']}" if options["quant"] != "none" else ""))]
-    if manifest.get("quantization"):
-        rows.append(("quality", quality(manifest["quantization"])))
-    if trtllm:
-        rows.append(("tensorrt-llm", f"{trtllm['options_file']}: {trtllm['validation']}"))
-        if trtllm.get("dflash_context_cache_gib") is not None:
-            rows.append(("", f"DFlash context cache {trtllm['dflash_context_cache_gib']} GiB per GPU beside the "
-                             "KV-cache pool (upstream's estimate; lower --max-batch-size or --max-context if it does "
-                             "not fit)"))
-    if sanity and "dflash" not in sanity:
-        rows.append(("sanity", f"plain decoding (no drafter): {sanity['tokens_per_second']['autoregressive']} tok/s"))
-    elif sanity:
-        (block, dflash), = sanity["dflash"].items()
-        rates = sanity["tokens_per_second"]
-        rows += [("sanity", f"tau {dflash['mean_acceptance_length']}, DFlash {rates[f'dflash {block}']} tok/s vs "
-                            f"autoregressive {rates['autoregressive']} tok/s "
-                            f"({dflash['speedup_vs_autoregressive']}x; verify lengths {dflash['verify_lengths']}), "
-                            f"token-identical {sanity['token_identical_prompts']}"
-                            + (f" (our PyTorch runtime here, {options['dtype']} on {options['device']})"
-                               if trtllm else ""))]
-        if sanity.get("verify_profile"):
-            profile = sanity["verify_profile"]
-            rows.append(("auto", auto_in_words(StepCosts.from_json(profile), dflash["by_source"])))
-        if sanity.get("cpu_weights"):
-            rows.append(("cpu weights", sanity["cpu_weights"]))
-        if sanity.get("cpu_weights_quality"):
-            from dflash_tools.weights_quality import in_words
-
-            rows.append(("quality", in_words(sanity["cpu_weights_quality"]) + " (4 prompts; dflash-weights-quality "
-                                                                                "measures more)"))
-        if sanity.get("cuda_graphs"):
-            graphs = sanity["cuda_graphs"]
-            rows.append(("cuda graphs", f"{graphs['graphs']} captured at start-up in {graphs['seconds']} s, "
-                                        f"{graphs['MiB']} MiB (max batch {options['max_batch_size']})"))
-    rows += [("repository", str(output / REPOSITORY_DIR)), ("time", f"{manifest['seconds']} s"),
-             ("serve", f"dflash-serve {output / REPOSITORY_DIR}" + (
-                 "   (in the NGC tritonserver trtllm image: it adds TensorRT-LLM's LLM-API model code)" if trtllm
-                 else ""))]
-    if trtllm:
-        rows.append(("or", f"cd {output} && {shlex.join(trtllm['serve_command'])}   (trtllm-serve's OpenAI API)"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
 def drafter_training_args(target: str, train_args: str) -> argparse.Namespace:

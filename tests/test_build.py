@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from builder.build import BuildOptions, build, main, summary
+from builder.build import BuildOptions, build, main
 from builder.render import parse_model_config
+from builder.summary import summary
 from builder.trtllm import validate_llm_args
 from deploy.serve import ServeError, stage_trtllm_repository
 from dflash_contract import DFlashError, layout
@@ -516,7 +517,8 @@ def test_without_a_drafter_the_sanity_run_is_plain_decoding(tmp_path, capsys):
     assert "sanity run: 2 prompts x 4 tokens, plain decoding (no drafter to compare)" in out
     assert "DFlash" not in out and "tau" not in out
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "build.py: sanity check: loading the built target (" in err  # what the build does while it is quiet
     sanity = json.loads((tmp_path / "plain" / "manifest.json").read_text())["sanity"]
     assert set(sanity) == {"num_prompts", "tokens_per_second"}
     assert set(sanity["tokens_per_second"]) == {"autoregressive"}
