@@ -82,7 +82,8 @@ def _bundled_server(runtime: Path) -> tuple[Path, dict[str, str]]:
         import pytriton
     except ImportError:
         raise ServeError("no `tritonserver` on PATH and the nvidia-pytriton package is not installed "
-                         "(pip install nvidia-pytriton==0.7.0, or run in the NGC Triton container)") from None
+                         "(pip install nvidia-pytriton==0.7.0 on Python 3.11 or 3.12: it needs numpy<2, which has "
+                         "no wheel for 3.13; or run in the NGC Triton container)") from None
     root = Path(pytriton.__file__).parent / "tritonserver"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"

@@ -6,7 +6,9 @@ into repetitive patterns a drafter learns in seconds).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,9 +27,27 @@ from dflash_training.features import target_features  # noqa: E402
 from dflash_training.train_drafter import new_drafter  # noqa: E402
 from dflash_runtime import SamplingParams, SpeculativeEngine, load_drafter, load_target, save_drafter  # noqa: E402
 
+# Tests that start a tritonserver: through these fixtures, or marked `tritonserver` where they start one themselves
+SERVER_FIXTURES = {"default_server", "short_context", "held", "llmapi_server", "overload_server", "soak_server"}
+# Python 3.13 has none to start: nvidia-pytriton 0.7.0, whose CPU tritonserver the suite serves with, needs numpy<2,
+# which has no wheel for 3.13 (pyproject.toml's markers); the NGC image's tritonserver is found on PATH
+NO_TRITONSERVER = (None if importlib.util.find_spec("pytriton") or shutil.which("tritonserver") else
+                   f"no tritonserver on Python {sys.version_info.major}.{sys.version_info.minor}: nvidia-pytriton "
+                   "(the CPU tritonserver) needs numpy<2, which has no wheel for it")
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "tritonserver: starts a tritonserver (skips where none can run: Python 3.13)")
     config.addinivalue_line("markers", "soak: the load soak against a real server (short here; `make soak`: 1,000)")
     config.addinivalue_line("markers", "llama_cpp: needs llama-cpp-python (the optional `llama` extra); skips without")
+
+
+def pytest_collection_modifyitems(config, items):
+    if NO_TRITONSERVER is None:
+        return
+    for item in items:
+        if SERVER_FIXTURES & set(item.fixturenames) or item.get_closest_marker("tritonserver"):
+            item.add_marker(pytest.mark.skip(reason=NO_TRITONSERVER))
 
 
 VOCAB = 128

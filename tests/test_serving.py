@@ -479,6 +479,7 @@ def test_unknown_model_name_is_an_error(default_server):
     assert "no_such_model" in error
 
 
+@pytest.mark.tritonserver
 def test_restart_on_the_same_repository_and_shutdown_with_a_request_in_flight(default_build, in_process, tmp_path):
     repository = default_build / "model_repository"
     with start_server(repository, 0, 0, 0, log_path=tmp_path / "first.log") as server:
@@ -507,6 +508,7 @@ def test_restart_on_the_same_repository_and_shutdown_with_a_request_in_flight(de
     assert server.process.returncode in (0, 1)
 
 
+@pytest.mark.tritonserver
 def test_the_server_does_not_outlive_a_killed_launcher(default_build):
     launcher = ("import sys, time\nfrom deploy.serve import start_server\n"
                 "server = start_server(sys.argv[1], 0, 0, 0)\nprint(server.process.pid, flush=True)\ntime.sleep(600)")
