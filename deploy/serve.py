@@ -48,6 +48,7 @@ PROGRESS_FILE = "engine-progress"
 FAILURE_FILE = "engine-failed"
 STREAM_ENDING_MODEL = "dflash_bls"  # the model that ends its streams with the cause of a failure
 STUB_BINARY = "triton_python_backend_stub"
+SOUND_STUB_PYTHON = "3.11"  # the one Python whose stub of nvidia-pytriton 0.7.0 serves our models without a crash
 SHM_DIR = Path("/dev/shm")
 # The NGC image nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 ships TensorRT-LLM's LLM-API Triton
 # model code (model.py + helpers.py, matched to the tensorrt_llm inside the image) here. A `--runtime
@@ -89,6 +90,10 @@ def _bundled_server(runtime: Path) -> tuple[Path, dict[str, str]]:
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
         raise ServeError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
+    if version != SOUND_STUB_PYTHON:
+        _say(f"warning: the CPU tritonserver's Python {version} backend stub crashes when a client cancels a stream "
+             f"(seen on 3.12: a segfault in libpython, a thread of the stub's own; the server then exits with status "
+             f"{UNHEALTHY_EXIT_CODE} to be restarted); on a CPU, serve with Python {SOUND_STUB_PYTHON}")
     backend = runtime / "backends" / "python"
     backend.mkdir(parents=True)
     for source in (root / "backends" / "python").iterdir():

@@ -43,10 +43,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if NO_TRITONSERVER is None:
-        return
     for item in items:
-        if SERVER_FIXTURES & set(item.fixturenames) or item.get_closest_marker("tritonserver"):
+        if SERVER_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.tritonserver)  # so that `-m "not tritonserver"` selects the others
+        if NO_TRITONSERVER and item.get_closest_marker("tritonserver"):
             item.add_marker(pytest.mark.skip(reason=NO_TRITONSERVER))
 
 
