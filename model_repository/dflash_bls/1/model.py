@@ -135,15 +135,14 @@ def _generate(request, client):
     prompt = _call("preprocessing", _inputs(request, FRONT_INPUTS), ["input_ids"], request_id)
     if prompt.has_error():
         return prompt.error()
-    stream = pb_utils.get_input_tensor_by_name(request, "stream")
-    streaming = stream is not None and bool(stream.as_numpy().item())
+    streaming = _flag(request, "stream")
     client.timeline.streamed = streaming
     inputs = [pb_utils.get_output_tensor_by_name(prompt, "input_ids"), pb_utils.Tensor("stream", np.array([[True]]))]
     engine = pb_utils.InferenceRequest(
         model_name="dflash", inputs=inputs + _inputs(request, ENGINE_INPUTS), request_id=request_id,
         requested_output_names=[*TOKEN_OUTPUTS, *RESPONSE_OUTPUTS])
     texts, logprobs, last, finish_reason, stopped = [], [], None, "", False
-    stop_text = _stop_text(request)
+    stop_text = _stop_text(request)  # the stop strings' place in the text (OpenAI's rule)
     # streamed even when the client asked for one response: a response per step is where
     # cancellation is seen
     try:
@@ -164,9 +163,7 @@ def _generate(request, client):
             if text.has_error():
                 _stop(request_id)
                 return text.error()
-            delta = pb_utils.get_output_tensor_by_name(text, "text_output").as_numpy().item().decode("utf-8")
-            reason = pb_utils.get_output_tensor_by_name(response, FINISH_REASON).as_numpy().item().decode()
-            delta = stop_text.push(delta, final=bool(reason), stopped=reason == "stop").encode("utf-8")
+            delta, reason = _client_text(text, response, stop_text)
             if streaming:
                 client.send(_answer(delta, response), final=bool(reason))
             else:
@@ -188,12 +185,25 @@ def _generate(request, client):
     return None
 
 
+def _client_text(text, engine_response, stop_text):
+    """(the text to send the client, the engine's finish reason: "" while it runs): postprocessing's text through
+    the stop-string rule."""
+    delta = pb_utils.get_output_tensor_by_name(text, "text_output").as_numpy().item().decode("utf-8")
+    reason = pb_utils.get_output_tensor_by_name(engine_response, FINISH_REASON).as_numpy().item().decode()
+    return stop_text.push(delta, final=bool(reason), stopped=reason == "stop").encode("utf-8"), reason
+
+
 def _stop_text(request):
     """The answer's text around its stop strings (OpenAI's rule: left out unless include_stop_str_in_output)."""
     words = pb_utils.get_input_tensor_by_name(request, "stop_words")
-    include = pb_utils.get_input_tensor_by_name(request, INCLUDE_STOP_STR)
     return StopText([w.decode("utf-8") for w in words.as_numpy().reshape(-1)] if words is not None else [],
-                    include is not None and bool(include.as_numpy().item()))
+                    _flag(request, INCLUDE_STOP_STR))
+
+
+def _flag(request, name):
+    """A BOOL input's value; False where the request leaves it out."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return tensor is not None and bool(tensor.as_numpy().item())
 
 
 def _classified(error):
