@@ -208,7 +208,8 @@ def gateway_overhead(gateway: dict, grpc: dict) -> dict:
                 "output_tokens_per_s": round(gateway["output_tokens_per_s"] / grpc["output_tokens_per_s"], 3)
                 if grpc["output_tokens_per_s"] else None,
                 "identical_texts": f"{same}/{len(grpc['per_request'])}", "tau": {"openai": taus[0], "grpc": taus[1]}}
-    if same < len(grpc["per_request"]) or abs((taus[0] or 1) - (taus[1] or 1)) > SAME_WORK_TAU * max(taus[1] or 1, 1):
+    through_gateway, over_grpc = (tau or 1 for tau in taus)  # None: no verify step, one token a step
+    if same < len(grpc["per_request"]) or abs(through_gateway - over_grpc) > SAME_WORK_TAU * over_grpc:
         overhead["not_comparable"] = (f"the engine did different work for each door (tau {_fmt(taus[0])} through "
                                       f"the gateway, {_fmt(taus[1])} over gRPC; identical texts {same}/"
                                       f"{len(grpc['per_request'])}): the ratios measure that, not the gateway")

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from dflash_contract import DFlashError
 from dflash_contract.layout import read_manifest, resolve_in_build
-from dflash_contract.protocol import LIMITS
+from dflash_contract.protocol import range_error
 from dflash_contract.server import (ABORT_SECONDS, DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S,
                                     EXIT_TIMEOUT_S, FAILURE_FILE_ENV, FLUSH_SECONDS, GATEWAY_HEALTH_PATH,
                                     HANG_FLOOR_SECONDS, HANG_STEP_MULTIPLE, HEALTH_CHECK_SECONDS, METRICS_PATH,
@@ -498,9 +498,10 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
                  queue_timeout: float = QUEUE_TIMEOUT_SECONDS, host: str = ANY_ADDRESS,
                  served_model_name: str | None = None, default_max_tokens: int | None = None) -> TritonServer:
     """Start tritonserver on `repository` and wait until it is ready, then the OpenAI gateway on openai_port
-    (None: no gateway), serving the model as served_model_name (None: the build's target, model_id). Port 0 picks a free port. A dflash engine step running longer than
-    max(HANG_STEP_MULTIPLE x its usual cost, hang_seconds) makes the server unhealthy; a request waiting longer
-    than queue_timeout for a slot is refused (0: no bound). Every port is bound to `host`."""
+    (None: no gateway), serving the model as served_model_name (None: the build's target, model_id). Port 0 picks a
+    free port. A dflash engine step running longer than max(HANG_STEP_MULTIPLE x its usual cost, hang_seconds)
+    makes the server unhealthy; a request waiting longer than queue_timeout for a slot is refused (0: no bound).
+    Every port is bound to `host`."""
     repository = Path(repository).resolve()
     if not repository.is_dir():
         raise ServeError(f"model repository {repository} does not exist (build one with builder/build.py)")
@@ -655,8 +656,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--runtime trtllm builds: the directory of TensorRT-LLM's LLM-API model.py and helpers.py "
                              "(default: where the NGC trtllm image has them)")
     args = parser.parse_args(argv)
-    if args.default_max_tokens is not None and not 1 <= args.default_max_tokens <= LIMITS.max_tokens:
-        parser.error(f"--default-max-tokens must be in [1, {LIMITS.max_tokens}], got {args.default_max_tokens}")
+    error = args.default_max_tokens is not None and range_error("max_tokens", args.default_max_tokens)
+    if error:  # the gateway's own check, made before the models load
+        parser.error(f"--default-max-tokens: {error}")
     warning = version_warning("dflash-serve")
     if warning:
         print(warning, file=sys.stderr, flush=True)

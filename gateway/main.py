@@ -7,7 +7,7 @@ import socket
 import sys
 
 from dflash_contract.presets import REASONING_PARSERS
-from dflash_contract.protocol import LIMITS
+from dflash_contract.protocol import range_error
 from dflash_contract.server import DRAIN_SECONDS, GATEWAY_HEALTH_PATH, OPENAI_API_KEY_ENV, PORTS
 
 from .app import Settings, create_app
@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 1 <= args.default_max_tokens <= LIMITS.max_tokens:
-        parser.error(f"--default-max-tokens must be in [1, {LIMITS.max_tokens}], got {args.default_max_tokens}")
+    error = range_error("max_tokens", args.default_max_tokens)  # what a request's max_tokens may be
+    if error:
+        parser.error(f"--default-max-tokens: {error}")
     import uvicorn
 
     settings = Settings(args.triton_url, args.model_id, args.api_key, args.default_max_tokens, args.max_body_bytes,
