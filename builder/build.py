@@ -237,7 +237,7 @@ def copy_checkpoint(source: Path, destination: Path) -> None:
 
 def kv_cache_tokens(inputs: Inputs, opts: BuildOptions) -> int:
     """The torch runtime's KV memory in tokens: --kv-cache-tokens, else the engine's default for the build."""
-    from dflash_runtime.engine import default_kv_cache_tokens
+    from dflash_runtime.engine_sizes import default_kv_cache_tokens
 
     per_place = kv_context(inputs.preset)
     return opts.kv_cache_tokens or default_kv_cache_tokens(opts.max_batch_size, inputs.max_context or per_place,

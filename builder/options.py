@@ -61,7 +61,7 @@ class BuildOptions:
     max_batch_size: int = 8
     max_context: int | None = None
     max_queue_size: int = 64
-    kv_cache_tokens: int | None = None  # None: max_batch_size contexts (engine.default_kv_cache_tokens)
+    kv_cache_tokens: int | None = None  # None: max_batch_size contexts (engine_sizes.default_kv_cache_tokens)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # 0: a prompt's whole uncached part in one pass
     prefix_caching: bool = True
     suffix_drafts: bool = True  # block size auto: draft-free suffix drafts beside the drafter (suffix_drafts.py)
@@ -204,66 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
                         help="torch: this project's engine (CPU/CUDA) behind Triton's Python backend; trtllm: "
                              "TensorRT-LLM >= 1.3 PyTorch backend, LLM-API options (no trtllm-build: no DFlash there)")
-    parser.add_argument("--gpu", help="trtllm: serving GPU (a100, l40s, h100, h200, b200, ...; another by its compute "
-                                      "capability: sm90); checks the quantization")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="trtllm: GPUs per pipeline stage")
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="trtllm: pipeline stages")
-    parser.add_argument("--dflash-attention", choices=tuple(DFLASH_ATTENTION_BACKEND_SMS),
-                        help="trtllm: the drafter's attention kernels: VANILLA (upstream's default, any GPU), TRTLLM "
-                             "(SM100/SM103), FA4 (SM90, TensorRT-LLM >= 1.3.0rc27)")
-    parser.add_argument("--quant", default="none", choices=QUANT_FORMATS, help="ModelOpt quantization of the target")
-    parser.add_argument("--kv-cache", default="none", choices=KV_CACHE_FORMATS,
-                        help="KV-cache quantization (with --quant)")
-    parser.add_argument("--calib-samples", type=int, default=128,
-                        help="ShareGPT calibration prompts for --quant (default: 128)")
-    parser.add_argument("--block-size", type=block_size_argument, default=AUTO_BLOCK_SIZE,
-                        help=f"{AUTO_BLOCK_SIZE!r} (default): the engine picks each step's verify length up to the "
-                             "drafter's block, from a profile of step times the sanity run records; a number fixes it")
-    parser.add_argument("--speculative-sampling", default=DEFAULT_SPECULATIVE_SAMPLING, choices=SPECULATIVE_SAMPLING,
-                        help="how sampled requests verify drafts where they name no method (a request may): exact "
-                             "(default; the output is the target's own sample, the same as without speculation at "
-                             "any block size) or rejection (min(1, p/q): the same distribution, but the sample "
-                             "depends on the drafter and the verify lengths: a seed repeats it only at a fixed block "
-                             "size)")
-    parser.add_argument("--max-batch-size", type=int, default=8,
-                        help="sequences decoded together (KV-cache slots; default: 8)")
-    parser.add_argument("--max-context", type=int,
-                        help="a sequence's tokens at most, prompt and output (default: the target's own limit, "
-                             "max_position_embeddings, cut to what the KV memory holds; with --runtime trtllm, the "
-                             "preset's context per batch place); at least "
-                             f"{MIN_PROMPT_TOKENS} for a prompt + the drafter's block")
-    parser.add_argument("--max-queue-size", type=int, default=64,
-                        help="requests that may wait for a slot (default: 64)")
-    parser.add_argument("--kv-cache-tokens", type=int,
-                        help="KV memory of the torch runtime, in tokens for all sequences together (target and "
-                             "drafter caches, in blocks of 16 a sequence takes as it grows; default: --max-batch-size "
-                             "x the preset's context per place, 2048 for smollm2-135m, else 4096, and at least one "
-                             "whole --max-context). A sequence waits, or the newest is preempted and recomputed, when "
-                             "none is free; the context is cut to what it holds for one sequence")
-    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                        help="prompt tokens the torch runtime prefills per step while some stream decodes, so that "
-                             "running streams keep decoding while a long prompt comes in (with none decoding, up to a "
-                             f"whole context's worth); 0: a whole prompt in one pass (default: "
-                             f"{DEFAULT_PREFILL_CHUNK})")
-    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                        help="turn the torch runtime's prefix cache off (for A/B runs): every prompt is computed "
-                             "whole, even one that repeats a conversation's history")
-    parser.add_argument("--no-suffix-drafts", dest="suffix_drafts", action="store_false",
-                        help="turn off the torch runtime's draft-free suffix drafts (block size auto: a step may "
-                             "verify the continuation of an earlier occurrence of a request's own text instead of the "
-                             "drafter's block; only ever a request's own prompt and output), for A/B runs")
-    parser.add_argument("--reasoning-parser", default=PRESET_PARSER,
-                        choices=(PRESET_PARSER, "none", *REASONING_PARSERS),
-                        help="how the OpenAI gateway splits a thinking model's reasoning into reasoning_content: "
-                             "qwen3 (<think>...</think>); preset (default): the preset's (qwen3 for the Qwen3 presets, "
-                             "none for the others)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="torch runtime dtype; auto (default): bfloat16 on CUDA, float32 on a CPU")
-    parser.add_argument("--cpu-weights", default="auto", choices=CPU_WEIGHTS,
-                        help="the format the torch runtime serves the target's linears in on a CPU: gguf-int4 (a "
-                             "GGUF target's own 4-bit blocks), int8 (weight-only, quantized at load: another "
-                             "model), float32; auto (default): measured on the serving host among the checkpoint's "
-                             "own formats (gguf-int4 and float32 for a GGUF target), cached per host")
+    for add in (_add_trtllm_options, _add_quantization_options, _add_decoding_options, _add_torch_runtime_options):
+        add(parser)
     parser.add_argument("--device", default="auto",
                         help="device of the torch runtime, the quantization's calibration and the sanity run: auto "
                              "(default: CUDA when torch sees a GPU), cpu, cuda, cuda:N")
@@ -282,6 +224,82 @@ def build_parser() -> argparse.ArgumentParser:
                            "Whether --device exists is left to the build machine; with --train-drafter its ARGS are "
                            "checked too")
     return parser
+
+
+def _add_trtllm_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--runtime trtllm")
+    group.add_argument("--gpu", help="trtllm: serving GPU (a100, l40s, h100, h200, b200, ...; another by its compute "
+                                     "capability: sm90); checks the quantization")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="trtllm: GPUs per pipeline stage")
+    group.add_argument("--pipeline-parallel-size", type=int, default=1, help="trtllm: pipeline stages")
+    group.add_argument("--dflash-attention", choices=tuple(DFLASH_ATTENTION_BACKEND_SMS),
+                       help="trtllm: the drafter's attention kernels: VANILLA (upstream's default, any GPU), TRTLLM "
+                            "(SM100/SM103), FA4 (SM90, TensorRT-LLM >= 1.3.0rc27)")
+
+
+def _add_quantization_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("quantization (NVIDIA ModelOpt)")
+    group.add_argument("--quant", default="none", choices=QUANT_FORMATS, help="ModelOpt quantization of the target")
+    group.add_argument("--kv-cache", default="none", choices=KV_CACHE_FORMATS,
+                       help="KV-cache quantization (with --quant)")
+    group.add_argument("--calib-samples", type=int, default=128,
+                       help="ShareGPT calibration prompts for --quant (default: 128)")
+
+
+def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("decoding and serving")
+    group.add_argument("--block-size", type=block_size_argument, default=AUTO_BLOCK_SIZE,
+                       help=f"{AUTO_BLOCK_SIZE!r} (default): the engine picks each step's verify length up to the "
+                            "drafter's block, from a profile of step times the sanity run records; a number fixes it")
+    group.add_argument("--speculative-sampling", default=DEFAULT_SPECULATIVE_SAMPLING, choices=SPECULATIVE_SAMPLING,
+                       help="how sampled requests verify drafts where they name no method (a request may): exact "
+                            "(default; the output is the target's own sample, the same as without speculation at "
+                            "any block size) or rejection (min(1, p/q): the same distribution, but the sample "
+                            "depends on the drafter and the verify lengths: a seed repeats it only at a fixed block "
+                            "size)")
+    group.add_argument("--max-batch-size", type=int, default=8,
+                       help="sequences decoded together (KV-cache slots; default: 8)")
+    group.add_argument("--max-context", type=int,
+                       help="a sequence's tokens at most, prompt and output (default: the target's own limit, "
+                            "max_position_embeddings, cut to what the KV memory holds; with --runtime trtllm, the "
+                            "preset's context per batch place); at least "
+                            f"{MIN_PROMPT_TOKENS} for a prompt + the drafter's block")
+    group.add_argument("--max-queue-size", type=int, default=64,
+                       help="requests that may wait for a slot (default: 64)")
+    group.add_argument("--kv-cache-tokens", type=int,
+                       help="KV memory of the torch runtime, in tokens for all sequences together (target and "
+                            "drafter caches, in blocks of 16 a sequence takes as it grows; default: --max-batch-size "
+                            "x the preset's context per place, 2048 for smollm2-135m, else 4096, and at least one "
+                            "whole --max-context). A sequence waits, or the newest is preempted and recomputed, when "
+                            "none is free; the context is cut to what it holds for one sequence")
+    group.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                       help="prompt tokens the torch runtime prefills per step while some stream decodes, so that "
+                            "running streams keep decoding while a long prompt comes in (with none decoding, up to a "
+                            f"whole context's worth); 0: a whole prompt in one pass (default: "
+                            f"{DEFAULT_PREFILL_CHUNK})")
+    group.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                       help="turn the torch runtime's prefix cache off (for A/B runs): every prompt is computed "
+                            "whole, even one that repeats a conversation's history")
+    group.add_argument("--no-suffix-drafts", dest="suffix_drafts", action="store_false",
+                       help="turn off the torch runtime's draft-free suffix drafts (block size auto: a step may "
+                            "verify the continuation of an earlier occurrence of a request's own text instead of the "
+                            "drafter's block; only ever a request's own prompt and output), for A/B runs")
+    group.add_argument("--reasoning-parser", default=PRESET_PARSER,
+                       choices=(PRESET_PARSER, "none", *REASONING_PARSERS),
+                       help="how the OpenAI gateway splits a thinking model's reasoning into reasoning_content: "
+                            "qwen3 (<think>...</think>); preset (default): the preset's (qwen3 for the Qwen3 presets, "
+                            "none for the others)")
+
+
+def _add_torch_runtime_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--runtime torch")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="torch runtime dtype; auto (default): bfloat16 on CUDA, float32 on a CPU")
+    group.add_argument("--cpu-weights", default="auto", choices=CPU_WEIGHTS,
+                       help="the format the torch runtime serves the target's linears in on a CPU: gguf-int4 (a "
+                            "GGUF target's own 4-bit blocks), int8 (weight-only, quantized at load: another "
+                            "model), float32; auto (default): measured on the serving host among the checkpoint's "
+                            "own formats (gguf-int4 and float32 for a GGUF target), cached per host")
 
 
 def options_from_args(args: argparse.Namespace) -> BuildOptions:

@@ -20,14 +20,15 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import uuid
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Literal, Protocol as TypingProtocol
 
 import numpy as np
 
 from dflash_contract.guided_decoding import GUIDE_INPUT, TYPE_INPUT
-from dflash_contract.protocol import (BLS_INPUTS, FINISH_REASON, FRONT_INPUTS, INCLUDE_STOP_STR, STATISTICS,
-                                      invalid_request)
+from dflash_contract.protocol import (BLS_INPUTS, FINISH_REASON, FRONT_INPUTS, INCLUDE_STOP_STR, PREPROCESSING_MODEL,
+                                      RENDER_CALL_PREFIX, STATISTICS, invalid_request)
 from dflash_contract.server import PORTS
 
 from .errors import (DFlashClientError, InvalidRequest, RequestCancelled, RequestTimeout, ServerError,
@@ -74,6 +75,9 @@ class Templater(TypingProtocol):
 
     def count(self, text: str, special_tokens: bool) -> int:
         """Tokens of `text`, with the tokenizer's added special tokens or without."""
+
+    def token_ids(self, text: str, special_tokens: bool) -> list[int]:
+        """`text`'s token ids, with the tokenizer's added special tokens or without."""
 
     def refuse_special_tokens(self, field: str, text: str) -> None:
         """InvalidRequest naming `field` when `text` holds a special token's text."""
@@ -220,6 +224,21 @@ class GrpcTransport(_FrontFinder):
             else:
                 call.cancel()  # tells the server to stop
 
+    async def prompt_token_ids(self, request: Request) -> list[int]:
+        """The token ids the server would decode `request`'s prompt into, decoding nothing: its preprocessing model,
+        with every check a request gets (for TensorRT-LLM's LLM-API model, which tokenizes inside, the templater)."""
+        from tritonclient.utils import InferenceServerException
+
+        front = await self._call(request)
+        if isinstance(front, _LlmApiCall):
+            return front.prompt_token_ids()
+        call = _PreprocessingCall(front)
+        try:
+            result = await self._client.infer(PREPROCESSING_MODEL, _grpc_inputs(call), request_id=call.request_id)
+        except InferenceServerException as e:
+            raise from_server_message(e.message(), self.url) from None
+        return result.as_numpy("input_ids").reshape(-1).tolist()
+
     async def health(self) -> Health:
         from tritonclient.utils import InferenceServerException
 
@@ -346,6 +365,16 @@ class _BlsCall:
                         None if entries is None else json.loads(_str(entries)))
 
 
+class _PreprocessingCall:
+    """A render: dflash_bls's request, its front-model inputs only, to the preprocessing model, which takes those."""
+
+    types, batched = FRONT_INPUTS, True
+
+    def __init__(self, call: _BlsCall):
+        self.fields = {name: value for name, value in call.fields.items() if name in FRONT_INPUTS}
+        self.request_id = RENDER_CALL_PREFIX + uuid.uuid4().hex
+
+
 class _LlmApiCall:
     """One request to TensorRT-LLM's LLM-API model: its tensors (no batch dimension); its cumulative text turned
     into deltas, its finish reasons into ours; the token counts from the templater, when there is one."""
@@ -355,10 +384,14 @@ class _LlmApiCall:
     def __init__(self, request: Request, templater: Templater | None):
         prompt, templated = _llmapi_prompt(request.prompt, templater)
         self.fields = _llmapi_fields(request, prompt)
-        self._templater = templater
+        self._templater, self._prompt, self._templated = templater, prompt, templated
         self._prompt_tokens = templater.count(prompt, special_tokens=not templated) if templater else 0
         self._text = ""  # all the text so far
         self._stats = SpeculationStats()
+
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids as TensorRT-LLM encodes it (the templater's tokenizer: the target's)."""
+        return _templater(self._templater, "render").token_ids(self._prompt, special_tokens=not self._templated)
 
     def json(self) -> dict:  # HTTP generate: one value per input ([1] tensors), lists as they are
         return {name: value[0] if name == "text_input" else value for name, value in self.fields.items()}

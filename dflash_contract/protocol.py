@@ -78,6 +78,10 @@ FRONT_INPUTS = {
 # postprocessing is stateless, keeps tensorrtllm_backend's rule: the text keeps the token that completes it.
 INCLUDE_STOP_STR = "include_stop_str_in_output"
 BLS_INPUTS = {INCLUDE_STOP_STR: "BOOL"}
+# The model that turns a front model's prompt inputs into token ids (and checks every input first), and the request
+# id prefix of a client's call that only asks it for them (a render): not a request of any front model, so not counted.
+PREPROCESSING_MODEL = "preprocessing"
+RENDER_CALL_PREFIX = "render/"
 PROMPT_INPUTS = ("text_input", "messages")
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 # What the front model passes on to the `dflash` engine model unchanged (text goes through preprocessing).

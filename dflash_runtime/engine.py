@@ -17,80 +17,34 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence as Seq
 
 import torch
 
-from dflash_contract.presets import (AUTO_BLOCK_SIZE, DEFAULT_KV_CONTEXT, DEFAULT_SPECULATIVE_SAMPLING,
-                                     check_speculative_sampling)
+from dflash_contract.presets import AUTO_BLOCK_SIZE, DEFAULT_SPECULATIVE_SAMPLING, check_speculative_sampling
 
 from .config import DFlashError
-from .counter_noise import DRAFT
 from .drafter import DFlashDrafter
-from .drafter_context import MAX_PENDING_CONTEXT, DrafterContext
+from .drafter_context import DrafterContext
+from .engine_sizes import (cache_capacity, check_sizes, context_in, default_kv_cache_tokens, injection_tokens,
+                           verify_lengths)
 from .block_manager import BlockManager
-from .grammar import GrammarCompiler, mask_logits, new_bitmask
+from .grammar import GrammarCompiler
 from .logprobs import token_logprobs
 from .penalties import apply_penalties, penalised
 from .kv_cache import BLOCK_SIZE, null_padded
 from .kv_injection.op import KERNEL_IS_FASTER
-from .sampling import (DraftSources, GumbelNoise, ProposalRule, RowParams, SamplingParams, choose_tokens, greedy_tokens,
-                       proposal_hits, propose_tokens, rejection_choices, sampling_scores, to_device)
+from .sampling import DraftSources, ProposalRule, SamplingParams, choose_tokens, to_device
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence, Status
 from .step_clock import PhaseTimer, StepClock
 from .step_graphs import StepGraphs, batch_bucket, length_bucket, length_buckets
 from .suffix_drafts import SuffixDraft, TokenHistory
 from .target import TargetModel
+from .token_choices import SampledRows, TokenChoices
 from .verify_length import StepCosts, StepPlan, VerifyLengthPolicy, device_signature, doubling, match_bucket
-
-CACHE_ALIGNMENT = 16  # SDPA's memory-efficient kernel needs a mask's key axis in multiples of 16 elements
-
-
-def cache_capacity(max_context: int, block_size: int) -> int:
-    """Keys a pass may read: block positions run up to (max_context - 1) + (block_size - 1)."""
-    return -(-(max_context + block_size) // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
-
-
-def injection_tokens(max_context: int, max_batch_size: int, block_size: int) -> int:
-    """The most positions one KV-injection call gets (a prefill's padded rows may bring more, written in parts): a
-    power of two, so that the op's token buckets up to it, timed at start-up, cover every call (_time_kv_injection)."""
-    most = max(max_context, max_batch_size * max(block_size, MAX_PENDING_CONTEXT))
-    return 1 << (most - 1).bit_length()
-
-
-def verify_lengths(block_size: int, adaptive: bool, static_shapes: bool) -> tuple[int, ...]:
-    """The k a step may verify: the block under a fixed one; under "auto" any up to it with dynamic shapes (a CPU's
-    cost grows with every row: a draft of 5 is verified as 6 rows, not 8), the doubling lengths with static ones
-    (a graph each)."""
-    if not adaptive:
-        return (block_size,)
-    return doubling(block_size) if static_shapes else tuple(range(1, block_size + 1))
-
-
-def default_kv_cache_tokens(max_batch_size: int, max_context: int, block_size: int,
-                            kv_context: int = DEFAULT_KV_CONTEXT) -> int:
-    """KV memory when none is set: max_batch_size contexts of kv_context (a preset's) or of max_context if shorter,
-    and at least one whole max_context, so that a sequence alone can always reach it (presets.DEFAULT_KV_CONTEXT)."""
-    per_place = cache_capacity(min(max_context, kv_context), block_size)
-    return max(max_batch_size * per_place, cache_capacity(max_context, block_size))
-
-
-@dataclass
-class SampledRows:
-    """A step's sampled rows: their indices [S], parameters, positions [S, k] (block row t chooses the token
-    at position start + 1 + t, which draft t + 1 guesses) and the noise there; which rows use rejection
-    sampling ([S] bool), None when none does; the drafter's sampling scores [S, k - 1, V] once it drafted."""
-
-    rows: torch.Tensor
-    params: RowParams
-    positions: torch.Tensor
-    noise: GumbelNoise
-    rejection: torch.Tensor | None
-    draft_scores: torch.Tensor | None = None
 
 
 @dataclass
@@ -133,18 +87,18 @@ class SpeculativeEngine:
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
-        _check_sizes(drafter, block_size, max_batch_size, prefill_chunk)
+        check_sizes(drafter, block_size, max_batch_size, prefill_chunk)
         self.target, self.device = target, target.device
         self.drafter = drafter if block_size > 1 else None
         self.block_size = block_size
         max_context = min(max_context or 1 << 30, target.config.max_position_embeddings)
         blocks = -(-(kv_cache_tokens or default_kv_cache_tokens(max_batch_size, max_context, block_size)) // BLOCK_SIZE)
-        self.max_context = _context_in(blocks, max_context, block_size)
+        self.max_context = context_in(blocks, max_context, block_size)
         self.prefill_chunk, self.decode, self.grammars = prefill_chunk, decode, grammars
-        self.mask_seconds = 0.0  # host time spent on guided decoding's masks, for benchmarks
         self.proposal_rule = ProposalRule(draft_sharpness)
         self.speculative_sampling = check_speculative_sampling(speculative_sampling)
-        self.eos_token_ids = frozenset(target.config.eos_token_ids)
+        self.choices = TokenChoices(self.device, target.config.shape.vocab_size, block_size,
+                                    frozenset(target.config.eos_token_ids), self.proposal_rule)
         self.capacity = cache_capacity(self.max_context, block_size)  # the most keys a pass reads
         self.target_cache = target.new_cache(blocks + 1)  # + the null block
         self.draft_cache = self.drafter.new_cache(blocks + 1) if self.drafter else None
@@ -208,7 +162,7 @@ class SpeculativeEngine:
             if self.grammars is None:
                 raise DFlashError("guided decoding needs the target's tokenizer and the xgrammar package, which this "
                                   "engine was built without")
-            grammar = self.grammars.grammar(params.guide, self._stop_ids(params))  # compiled on the caller's thread
+            grammar = self.grammars.grammar(params.guide, self.choices.stop_ids(params))  # on the caller's thread
         return Sequence(prompt_ids, params.for_engine(self.speculative_sampling), grammar=grammar)
 
     def cancel(self, seq: Sequence) -> None:
@@ -386,10 +340,10 @@ class SpeculativeEngine:
             seq.num_computed = end
             firsts.append(([], None))
             if end == len(seq.prompt_ids) and not seq.output_ids:
-                self._hold_stop_tokens(logits, [seq], [row])
+                self.choices.hold_stop_tokens(logits, [seq], [row])
                 if penalised(seq.params):
                     apply_penalties(logits[row], None, seq.prompt_ids, [], seq.params)
-                self._mask_guided(logits, [(seq, row, [])] if seq.grammar is not None else [])
+                self.choices.mask_guided(logits, [(seq, row, [])] if seq.grammar is not None else [])
                 first = choose_tokens(logits[row], seq.params, end)  # reads the device: the clock's marks are done
                 wanted = seq.params.logprobs is not None
                 firsts[-1] = first, token_logprobs(logits[row], torch.tensor(first), seq.params) if wanted else None
@@ -419,24 +373,24 @@ class SpeculativeEngine:
         lap = self.phases.lap
         lap("inputs")
         clock = StepClock(self.device)
-        sampled = self._sampled_rows(batch, row_of, starts, k)
+        sampled = self.choices.sampled_rows(batch, row_of, starts, k)
         lap("sample")
         block, draft_logits = self._block(batch, row_of, plan, suffix, tokens, starts, table, draft_length, sampled)
         lap("propose")
         clock.mark()
         key = ("verify", num_rows, k, verify_length)
-        guided = self._guided_rows(batch, row_of, block)  # before the pass: a copy after it would wait for it
+        guided = self.choices.guided_rows(batch, row_of, block)  # before the pass: a copy after it would wait for it
         lap("grammar")
         logits, features = self.graphs.run(key, self._pass(key), block, starts, self._table_for(table, verify_length))
         lap("verify pass")
-        self._hold_stop_tokens(logits, batch, row_of)
+        self.choices.hold_stop_tokens(logits, batch, row_of)
         for seq, row in zip(batch, row_of):
             if penalised(seq.params):
                 apply_penalties(logits[row], block[row], seq.prompt_ids, seq.output_ids, seq.params)
         lap("penalties")
-        self._mask_guided(logits, guided)
+        self.choices.mask_guided(logits, guided)
         lap("grammar")
-        chosen = self._choose(logits, block, draft_logits, sampled)
+        chosen = self.choices.choose(logits, block, draft_logits, sampled)
         accepted = (block[:, 1:] == chosen[:, :-1]).cumprod(dim=1).sum(dim=1)
         lap("accept")
         # block[0..a] are now committed context (the step's caller counts them); the bonus token's K/V comes
@@ -475,7 +429,7 @@ class SpeculativeEngine:
             key = ("draft", num_rows, k, draft_length)
             draft_logits = self.graphs.run(key, self._pass(key), tokens, starts, self._table_for(table, draft_length))
             self.phases.lap("draft pass")
-            block = torch.cat([tokens, self._guided_drafts(batch, row_of, draft_logits, sampled)], dim=1)
+            block = torch.cat([tokens, self.choices.drafts(batch, row_of, draft_logits, sampled)], dim=1)
         elif k > 1:
             block = torch.cat([tokens, tokens.new_zeros(num_rows, k - 1)], dim=1)
         if plan.suffix_rows:
@@ -559,115 +513,6 @@ class SpeculativeEngine:
         positions = starts[:, None] + self.offsets[:block.shape[1]]
         return self.target(block, positions, self.target_cache, table, self.feature_layers, length=length)
 
-    def _hold_stop_tokens(self, logits: torch.Tensor, batch: list[Sequence], row_of: list[int]) -> None:
-        """min_new_tokens: a sequence's stop ids get no probability at the block positions before its
-        min_new_tokens-th token (in place: logits [R, k, V] are the pass's own). The target's own decoding
-        under the same rule gives the same tokens, so speculation stays lossless (TensorRT-LLM's min_length
-        bans the end id the same way)."""
-        index = [(row, j, token) for seq, row in zip(batch, row_of)
-                 for j in range(min(logits.shape[1], seq.params.min_new_tokens - len(seq.output_ids)))
-                 for token in self._stop_ids(seq.params)]
-        if index:
-            rows, positions, tokens = self._to_device(list(zip(*index)))
-            logits[rows, positions, tokens] = float("-inf")
-
-    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        return frozenset(params.stop_token_ids) if params.ignore_eos else self.eos_token_ids.union(params.stop_token_ids)
-
-    def _sampled_rows(self, batch: list[Sequence], row_of: list[int], starts: torch.Tensor,
-                      k: int) -> SampledRows | None:
-        """The step's sampled rows (SampledRows); None if every sequence is greedy."""
-        sampled = [(row, seq.params) for seq, row in zip(batch, row_of) if not seq.params.greedy]
-        if not sampled:
-            return None
-        vocab = self.target.config.shape.vocab_size
-        params = RowParams.of([p for _, p in sampled], vocab, self.device)
-        rows = self._to_device([row for row, _ in sampled])
-        positions = starts[rows, None] + 1 + self.offsets[:k]
-        rejection = [p.speculative_sampling == "rejection" for _, p in sampled]
-        return SampledRows(rows, params, positions, GumbelNoise(params.seeds, positions, vocab),
-                           to_device(rejection, self.device, torch.bool) if any(rejection) else None)
-
-    def _propose(self, logits: torch.Tensor, sampled: SampledRows | None) -> torch.Tensor:
-        """The drafts [R, k - 1] from the drafter's logits: the argmax for greedy rows; for sampled rows the
-        proposal rule of sampling.propose_tokens with the noise of the positions they guess, or for
-        rejection sampling a sample of the drafter's own distribution."""
-        drafts = greedy_tokens(logits)
-        if sampled is None:
-            return drafts
-        mine, params = logits[sampled.rows], sampled.params
-        scores = sampled.draft_scores = sampling_scores(mine, params)  # also judged and tested in _choose
-        guesses = propose_tokens(mine, scores, sampled.noise.first(mine.shape[1]), self.proposal_rule.sharpness())
-        if sampled.rejection is not None:
-            own = GumbelNoise(params.seeds, sampled.positions[:, :mine.shape[1]], mine.shape[-1], DRAFT).argmax(scores)
-            guesses = torch.where(sampled.rejection[:, None], own, guesses)
-        drafts[sampled.rows] = guesses
-        return drafts
-
-    def _guided_drafts(self, batch: list[Sequence], row_of: list[int], logits: torch.Tensor,
-                       sampled: SampledRows | None) -> torch.Tensor:
-        """The drafts [R, k - 1] (_propose), each of a guided sequence grammatical after those before it: where its
-        grammar refuses a draft, the drafter's logits there are masked and the drafts proposed again. Proposals are
-        per position, so those before it stay as they were; a round per refused position at most."""
-        drafts = self._propose(logits, sampled)
-        guided = [(seq.grammar, row) for seq, row in zip(batch, row_of) if seq.grammar is not None]
-        width = logits.shape[1]
-        for _ in range(width if guided else 0):
-            start = time.perf_counter()
-            flat = logits.view(-1, logits.shape[-1])  # row r's position j at r * width + j
-            bitmask = new_bitmask(len(flat), flat.shape[-1])
-            host = drafts[[row for _, row in guided]].tolist()
-            refused = [row * width + j for (grammar, row), mine in zip(guided, host)
-                       if (j := grammar.first_refused(mine, bitmask, row * width)) is not None]
-            mask_logits(flat, bitmask, refused)
-            self.mask_seconds += time.perf_counter() - start
-            if not refused:
-                break
-            drafts = self._propose(logits, sampled)
-        return drafts
-
-    def _guided_rows(self, batch: list[Sequence], row_of: list[int], block: torch.Tensor) -> list[tuple]:
-        """(sequence, row, its drafts on the host) of the guided sequences in a step."""
-        guided = [(seq, row) for seq, row in zip(batch, row_of) if seq.grammar is not None]
-        if not guided:
-            return []
-        drafts = block[[row for _, row in guided], 1:].tolist()
-        return [(seq, row, mine) for (seq, row), mine in zip(guided, drafts)]
-
-    def _mask_guided(self, logits: torch.Tensor, guided: list[tuple]) -> None:
-        """Mask logits [R, k, V] in place at each guided row's block positions: position j by the grammar's state
-        after the row's drafts 1..j (grammar.py)."""
-        if not guided:
-            return
-        start = time.perf_counter()
-        k = logits.shape[1]
-        flat = logits.view(-1, logits.shape[-1])  # row r's position j at r * k + j
-        bitmask = new_bitmask(len(flat), flat.shape[-1])
-        masked = [row * k + j for seq, row, drafts in guided for j in seq.grammar.fill_along(drafts, bitmask, row * k)]
-        mask_logits(flat, bitmask, masked)
-        self.mask_seconds += time.perf_counter() - start
-
-    def _choose(self, logits: torch.Tensor, block: torch.Tensor, draft_logits: torch.Tensor | None,
-                sampled: SampledRows | None) -> torch.Tensor:
-        """The target's token at each block position, [R, k] on the device: the argmax for greedy rows, for
-        the others the Gumbel-max sample with the noise of (seed, position), or rejection sampling's choice.
-        A learning proposal rule is told which rules would have guessed the samples at the first draft."""
-        chosen = greedy_tokens(logits)
-        if sampled is None:
-            return chosen
-        rows = sampled.rows
-        scores = sampling_scores(logits[rows], sampled.params)
-        samples = sampled.noise.argmax(scores)
-        if draft_logits is not None and self.proposal_rule.learning:
-            self.proposal_rule.observe(proposal_hits(draft_logits[rows, :1], sampled.draft_scores[:, :1],
-                                                     sampled.noise.first(1), samples[:, :1]))
-        if sampled.rejection is not None and draft_logits is not None:
-            verdicts = rejection_choices(scores, sampled.draft_scores, block[rows, 1:], sampled.params.seeds,
-                                         sampled.positions, samples)
-            samples = torch.where(sampled.rejection[:, None], verdicts, samples)
-        chosen[rows] = samples
-        return chosen
-
     def _cacheable(self, seq: Sequence) -> int:
         """Tokens of `seq` whose target K/V and drafter context are both written."""
         return min(seq.num_computed - self.context.pending_tokens(seq), seq.num_tokens)
@@ -729,7 +574,7 @@ class SpeculativeEngine:
         """Append tokens up to the first stop condition, finishing `seq` there; returns what was appended. A guided
         sequence whose grammar has ended (or takes no more: min_tokens held its only stop) stops before the token."""
         p = seq.params
-        stop_ids = self._stop_ids(p)
+        stop_ids = self.choices.stop_ids(p)
         for n, token in enumerate(tokens, 1):
             if seq.grammar is not None and not seq.grammar.accept(token):
                 self._finish(seq, "stop")
@@ -753,29 +598,3 @@ class SpeculativeEngine:
         tail = self.decode(seq.output_ids[-window:])
         return any(stop in tail for stop in seq.params.stop_strings)
 
-
-def _context_in(blocks: int, max_context: int, block_size: int) -> int:
-    """max_context cut to what `blocks` KV blocks hold for one sequence with its draft block: one sequence alone
-    must always fit, or once preempted it could never be admitted again."""
-    context = min(max_context, blocks * BLOCK_SIZE - block_size)
-    if context < 2:
-        raise DFlashError(f"a KV cache of {blocks * BLOCK_SIZE} tokens cannot hold a sequence with a block of "
-                          f"{block_size}")
-    return context
-
-
-def _check_sizes(drafter: DFlashDrafter | None, block_size: int, max_batch_size: int,
-                 prefill_chunk: int | None) -> None:
-    if not isinstance(block_size, int):
-        raise DFlashError(f"block size must be an integer or {AUTO_BLOCK_SIZE!r}, got {block_size!r}")
-    if block_size < 1:
-        raise DFlashError(f"block size must be >= 1, got {block_size}")
-    if block_size > 1 and drafter is None:
-        raise DFlashError(f"block size {block_size} needs a drafter (use block size 1 without one)")
-    if drafter is not None and block_size > drafter.config.block_size:
-        raise DFlashError(f"block size {block_size} is larger than the drafter supports "
-                          f"({drafter.config.block_size})")
-    if max_batch_size < 1:
-        raise DFlashError(f"max batch size must be >= 1, got {max_batch_size}")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise DFlashError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")

@@ -4,7 +4,7 @@ A guided sequence's every token is chosen under the mask its grammar gives after
 verify step the target's token at block position j follows the newest token and drafts 1..j, so position j is
 masked by the grammar's state after those drafts: the drafts are accepted into the matcher one by one, each
 position's mask filled, then rolled back (xgrammar's speculative decoding recipe, vLLM's 1 + K masks). The drafts
-themselves are grammatical (SpeculativeEngine._guided_drafts), so every prefix the target verifies is one the
+themselves are grammatical (token_choices.TokenChoices.drafts), so every prefix the target verifies is one the
 grammar allows, and guided DFlash chooses what guided plain decoding chooses, token for token.
 
 xgrammar is imported here only: an engine without it serves every unguided request, and refuses a guided one

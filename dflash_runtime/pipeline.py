@@ -12,7 +12,8 @@ from dflash_contract.presets import AUTO_BLOCK_SIZE, Preset
 
 from .checkpoint import resolve_checkpoint, resolve_target
 from .drafter import DFlashDrafter, load_drafter
-from .engine import SpeculativeEngine, default_kv_cache_tokens
+from .engine import SpeculativeEngine
+from .engine_sizes import default_kv_cache_tokens
 from .grammar import GrammarCompiler
 from .target import TargetModel, load_target
 from .verify_length import StepCosts

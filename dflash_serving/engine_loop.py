@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence as Seq
 
 from dflash_contract import DFlashError
+from dflash_contract.engine_counts import Counts, EngineCounts
 from dflash_contract.protocol import (CANCELLED_MESSAGE, CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE,
                                       INTERNAL_ERROR_PREFIX, SHUTTING_DOWN_MESSAGE)
 from dflash_contract.server import FAILED_STEPS_LIMIT, TEST_FAULT_ENV, StepProgress
@@ -103,7 +104,7 @@ class EngineLoop:
     def __init__(self, make_engine: Callable[[], SpeculativeEngine], max_queue_size: int = 64,
                  on_step: Callable[[StepReport], None] | None = None,
                  on_failure: Callable[[str], None] | None = None, progress: StepProgress | None = None,
-                 max_queue_seconds: float | None = None):
+                 max_queue_seconds: float | None = None, counts: EngineCounts | None = None):
         """make_engine runs on the loop thread, and no other thread should run torch afterwards.
 
         Why: each thread that runs a parallel torch op gets its own OpenMP team, and on a small CPU
@@ -112,7 +113,9 @@ class EngineLoop:
         Raises what make_engine raises. on_failure(cause) is called once if the loop thread dies (or
         FAILED_STEPS_LIMIT steps in a row raise). progress, when given, records each step's start and end
         for a watch in another process (dflash_contract.server.StepProgress). A request still waiting for a
-        slot after max_queue_seconds is refused as at capacity (None: it waits as long as it takes).
+        slot after max_queue_seconds is refused as at capacity (None: it waits as long as it takes). counts, when
+        given, gets the engine's counts whenever they change: at each request's arrival and after each iteration
+        (dflash_contract.engine_counts, what a router reads).
         """
         if max_queue_size < 0:
             raise DFlashError(f"max queue size must be >= 0, got {max_queue_size}")
@@ -122,6 +125,8 @@ class EngineLoop:
         self.on_failure = on_failure
         self.failure: str | None = None  # why the loop thread died
         self.progress = progress
+        self.counts = counts
+        self._prompt_tokens = self._generation_tokens = 0  # since the engine started, for `counts`
         self._usual_step_seconds = 0.0
         self._failed_steps = 0
         self._fault = os.environ.get(TEST_FAULT_ENV)  # tests only (dflash_contract.server)
@@ -165,6 +170,7 @@ class EngineLoop:
                 raise QueueFull(f"{CAPACITY_MESSAGE} ({occupancy.running} running, {occupancy.waiting + pending} "
                                 f"queued, queue limit {self.max_queue_size}); retry later")
             self._pending.append(_Request(seq, stream, streaming))
+            self._publish_counts()
             self._wake.set()
 
     def drain(self, grace_seconds: float) -> None:
@@ -217,6 +223,7 @@ class EngineLoop:
         try:
             self.engine = make_engine()
             self._occupancy = self.engine.occupancy()
+            self._publish_counts()
         except BaseException as e:
             self._load_error = e
             return
@@ -259,8 +266,10 @@ class EngineLoop:
         if self.engine.has_unfinished():
             outputs = self._timed_step()
             phases = dict(self.engine.phases.seconds)
+        self._generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         with self._admit_lock:
             self._occupancy = self.engine.occupancy()  # the slots this step freed
+            self._publish_counts()
             if not self.engine.has_unfinished() and not self._pending:
                 self._wake.clear()  # under the admission lock: a submit's wake-up cannot fall between
         # a request prefilled in this step is also in its draft/verify pass: one chunk covers both
@@ -277,8 +286,19 @@ class EngineLoop:
             for request in self._pending:
                 self.engine.scheduler.add(request.sequence)
                 self._requests[request.sequence] = request
+                self._prompt_tokens += len(request.sequence.prompt_ids)
             self._pending.clear()
             self._occupancy = self.engine.occupancy()
+
+    def _publish_counts(self) -> None:
+        """The engine's counts as of the last admission or step, with the requests not yet admitted as waiting.
+        Under the admission lock."""
+        if self.counts is None:
+            return
+        occupancy = self._occupancy
+        self.counts.write(Counts(occupancy.running, occupancy.waiting + len(self._pending), occupancy.used_blocks,
+                                 occupancy.used_blocks + occupancy.free_blocks, self.engine.block_manager.block_size,
+                                 self._prompt_tokens, self._generation_tokens))
 
     def _timed_step(self) -> list[StepOutput]:
         started = time.monotonic()

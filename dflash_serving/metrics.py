@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Callable, Protocol
 
-from dflash_contract.protocol import CAPACITY_MESSAGE, error_class
+from dflash_contract.protocol import CAPACITY_MESSAGE, RENDER_CALL_PREFIX, error_class
 from dflash_contract.server import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
 FRONT_MODELS = ("ensemble", "dflash_bls", "dflash")
@@ -96,6 +96,12 @@ def error_outcome(message: str, tokens: int) -> tuple[str, str]:
     if not tokens and kind in OUTCOMES["refused"]:
         return "refused", kind
     return "failed", kind
+
+
+def counted_at_front(request_id: str) -> bool:
+    """Whether a request that preprocessing refuses is the ensemble's own (counted there), not dflash_bls's call
+    (counted by dflash_bls) nor a client's render (no front model's request)."""
+    return not request_id.startswith((BLS_CALL_PREFIX, RENDER_CALL_PREFIX))
 
 
 def front_model(request_id: str, arrival_ns) -> str | None:

@@ -94,15 +94,7 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
         outputs.append(modes["autoregressive"].timed(lambda: autoregressive.generate([ids], params)[0].output_ids))
         if llama is not None:
             same_as_llama += theirs == outputs[-1]
-        taus = []
-        for b, engine in dflash.items():
-            seq = engine.add_request(ids, params)
-            output = modes[f"dflash {b}"].timed(lambda: _run_to_end(engine, seq))
-            if params.greedy or engine.speculative_sampling != "rejection":
-                outputs.append(output)
-            stats[b].merge(seq.stats)
-            tau = seq.stats.mean_acceptance_length
-            taus.append(f"tau[{b}] {'none' if tau is None else f'{tau:.2f}'}")
+        taus = _run_dflash_modes(dflash, modes, stats, ids, params, outputs)
         same = all(o == outputs[0] for o in outputs)
         identical += same
         print(f"[{label} {n}/{len(prompts)}] {len(ids)} prompt tokens, {len(outputs[0])} new, {', '.join(taus)}, "
@@ -128,6 +120,22 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
         result["ratio_autoregressive_vs_llama_cpp"] = round(rate["autoregressive"] / rate["llama.cpp"], 3)
         result["llama_cpp_identical_prompts"] = f"{same_as_llama}/{len(prompts)}"
     return result
+
+
+def _run_dflash_modes(dflash: dict, modes: dict, stats: dict, ids: list[int], params: SamplingParams,
+                      outputs: list[list[int]]) -> list[str]:
+    """One prompt through every DFlash mode: its output joins `outputs` where it must equal plain decoding's (not
+    under rejection sampling); its speculation joins `stats`. Returns each mode's tau, for the progress line."""
+    taus = []
+    for b, engine in dflash.items():
+        seq = engine.add_request(ids, params)
+        output = modes[f"dflash {b}"].timed(lambda: _run_to_end(engine, seq))
+        if params.greedy or engine.speculative_sampling != "rejection":
+            outputs.append(output)
+        stats[b].merge(seq.stats)
+        tau = seq.stats.mean_acceptance_length
+        taus.append(f"tau[{b}] {'none' if tau is None else f'{tau:.2f}'}")
+    return taus
 
 
 def llama_cpp_greedy(llama, ids: list[int], max_new_tokens: int, eos: list[int]) -> list[int]:
@@ -326,36 +334,42 @@ def summary_table(summary: dict) -> str:
 
 
 def plot(summary: dict, path: str) -> None:
+    """Left: acceptance by block position, per prompt set, of the longest fixed block (auto's own when there is
+    none); right: tau per prompt set, a bar per mode, each labelled with its speedup over plain decoding."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sets = summary["prompt_sets"]
-    fig, (curve, bars) = plt.subplots(1, 2, figsize=(11, 4))
-    def block(mode: str) -> int:
-        size = mode.split()[0]
-        return summary["drafter_block_size"] if size == AUTO_BLOCK_SIZE else int(size)
+    sets, modes = summary["prompt_sets"], summary["modes"]
+    fig, (curve, bars) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 3]})
 
-    longest = max(summary["modes"], key=block)  # the first mode of the longest block
+    def block(mode: str) -> tuple[int, bool]:  # a fixed block before auto's of the same size: its curve is a block's
+        size = mode.split()[0]
+        return (summary["drafter_block_size"], False) if size == AUTO_BLOCK_SIZE else (int(size), True)
+
+    longest = max(modes, key=block)
     for name, r in sets.items():
         acc = r["dflash"][longest]["acceptance_by_position"]
         curve.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
     curve.set(xlabel="block position j", ylabel="P(draft j accepted | drafts before it were)", ylim=(0, 1),
-              title=f"acceptance by position ({longest})")
+              title=f"acceptance by position (dflash {longest})")
     curve.legend()
-    names = [(name, b) for name in sets for b in summary["modes"]]
-    taus = [sets[name]["dflash"][b]["mean_acceptance_length"] or 0 for name, b in names]  # 0: no verify step
-    bars.bar([f"{name}\n{b}" for name, b in names], taus)
-    for i, (name, b) in enumerate(names):
-        bars.text(i, taus[i], f"{sets[name]['dflash'][b]['speedup_vs_autoregressive']:.2f}x", ha="center", va="bottom")
-    bars.set(ylabel="mean acceptance length tau",
-             title="tau by prompt set and mode (label: speedup vs autoregressive)")
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        x = [n + (i - (len(modes) - 1) / 2) * width for n in range(len(sets))]
+        taus = [r["dflash"][mode]["mean_acceptance_length"] or 0 for r in sets.values()]  # 0: no verify step
+        drawn = bars.bar(x, taus, width, label=f"dflash {mode}")
+        bars.bar_label(drawn, [f"{r['dflash'][mode]['speedup_vs_autoregressive']:.2f}x" for r in sets.values()],
+                       fontsize=7)
+    bars.set_xticks(range(len(sets)), list(sets))
+    bars.set(ylabel="mean acceptance length tau", title="tau by prompt set and mode (labels: speedup vs plain)")
+    bars.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_PRESET, help="preset name or checkpoint directory")
@@ -404,7 +418,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto", help="auto (default: CUDA when there is a GPU), cpu, cuda")
     parser.add_argument("--json", help="also write the summary to this file")
     parser.add_argument("--plot", help="write a PNG: acceptance by position, tau by prompt set")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         summary = run(args)
     except DFlashError as e:

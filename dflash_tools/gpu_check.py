@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_runtime.engine import SpeculativeEngine, cache_capacity
+from dflash_runtime.engine import SpeculativeEngine
+from dflash_runtime.engine_sizes import cache_capacity
 from dflash_runtime.kv_cache import BLOCK_SIZE, KVCache
 from dflash_runtime.layers import AttentionMask
 from dflash_runtime.sampling import GumbelNoise, RowParams, SamplingParams, sample_tokens
@@ -334,7 +335,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "qwen3-8b"], choices=list(SHAPES))
@@ -348,7 +349,11 @@ def main(argv=None) -> int:
                         help="steps: the engine's step timings; host: each step's time by phase, host and passes "
                              "apart (dflash-profile-step's table); paged: paged attention against a view; masks: "
                              "guided decoding's grammar masks (needs xgrammar; skipped without it) (default: all)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: error: torch sees no CUDA GPU here", file=sys.stderr)

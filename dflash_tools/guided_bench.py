@@ -31,7 +31,7 @@ INSTRUCTION = ("\nAnswer as a JSON object with the fields topic, answer, confide
 
 
 def run_mode(engine, prompts, params) -> dict:
-    engine.mask_seconds = 0.0
+    engine.choices.mask_seconds = 0.0
     seqs = [engine.add_request(p, params) for p in prompts]
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished():
@@ -40,7 +40,7 @@ def run_mode(engine, prompts, params) -> dict:
     seconds = time.perf_counter() - start
     verifies = sum(len(s.stats.acceptance_lengths) for s in seqs)
     return {"tokens": sum(len(s.output_ids) for s in seqs), "seconds": seconds, "steps": steps,
-            "mask": engine.mask_seconds, "tau": sum(sum(s.stats.acceptance_lengths) for s in seqs) / max(1, verifies)}
+            "mask": engine.choices.mask_seconds, "tau": sum(sum(s.stats.acceptance_lengths) for s in seqs) / max(1, verifies)}
 
 
 def main(argv=None) -> int:

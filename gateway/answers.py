@@ -57,6 +57,15 @@ def chat_response(t: Translated, model_id: str, results: list[tuple[str, str, Sp
             "choices": choices, "usage": usage(stats), EXTENSION_FIELD: statistics(stats)}
 
 
+def rendered(t: Translated, model_id: str, token_ids: list[int], chat: bool) -> dict | list[dict]:
+    """A render's answer, as vLLM's render endpoints give it (its GenerateRequest: the fields a router reads; the
+    sampling parameters and the rest are left out): one for a chat request, a list of one per prompt for a
+    completion (one prompt per request here)."""
+    if chat:
+        return {"request_id": f"chatcmpl-{t.id}", "model": model_id, "token_ids": token_ids}
+    return [{"request_id": f"cmpl-{t.id}-0", "model": model_id, "token_ids": token_ids}]
+
+
 def chat_message(t: Translated, text: str, reason: str) -> tuple[dict, str]:
     """The assistant's message and OpenAI's finish_reason: the reasoning apart where the build names a parser
     (reasoning.py), tool calls where the request's tools parse some in the rest (then finish_reason "tool_calls"),

@@ -23,12 +23,15 @@ from starlette.exceptions import HTTPException
 from clients.errors import (DFlashClientError, IncompleteResponse, InvalidRequest, RequestCancelled,
                             ServerUnavailable)
 from clients.transport import GrpcTransport, Response
+from dflash_contract.engine_counts import engine_counts
 from dflash_contract.protocol import LIMITS
 from dflash_contract.server import GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH
 
 from . import answers, api
 from .chat_template import ChatTemplate
-from .metrics import CHAT_PATH, COMPLETIONS_PATH, CONTENT_TYPE, FirstText, GatewayMetrics, MetricsMiddleware
+from .metrics import (CHAT_PATH, CHAT_RENDER_PATH, COMPLETIONS_PATH, COMPLETIONS_RENDER_PATH, CONTENT_TYPE, FirstText,
+                      GatewayMetrics, MetricsMiddleware)
+from .protocol_metrics import protocol_metrics
 from .reasoning import StreamSplitter
 
 DISCONNECT_CHECK_SECONDS = 0.25  # how often a non-streamed request looks for its client
@@ -64,20 +67,10 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="DFlash OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
-    metrics = GatewayMetrics()
+    metrics, counts = GatewayMetrics(), engine_counts()
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
-    @app.exception_handler(api.APIError)
-    async def api_error(_, e: api.APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_, e: HTTPException):  # unknown paths, wrong methods: OpenAI's shape too
-        return JSONResponse(api.APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_, e: Exception):
-        return JSONResponse(api.APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+    _answer_errors_as_openai(app)
 
     @app.get(GATEWAY_HEALTH_PATH)
     async def health():  # no API key: probes send none
@@ -85,8 +78,9 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse({"ready": state.ready, "detail": state.detail}, status_code=200 if state.ready else 503)
 
     @app.get(GATEWAY_METRICS_PATH)
-    async def prometheus_metrics():  # no API key: Prometheus sends none
-        return HTTPResponse(metrics.render(), media_type=CONTENT_TYPE)
+    async def prometheus_metrics():  # no API key: Prometheus (and a router's endpoint picker) send none
+        protocol = protocol_metrics(counts.read() if counts else None, settings.model_id)
+        return HTTPResponse(metrics.render() + protocol, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -117,7 +111,47 @@ def create_app(settings: Settings) -> FastAPI:
         return await _answer(request, transport["grpc"], t, settings.model_id, chat=False,
                              first_text=FirstText(metrics, COMPLETIONS_PATH, started))
 
+    _add_render_endpoints(app, settings, transport)
     return app
+
+
+def _add_render_endpoints(app: FastAPI, settings: Settings, transport: dict[str, GrpcTransport]) -> None:
+    """vLLM's render endpoints: the prompt token ids a request would be decoded from, so that a router computes the
+    prefix-cache blocks a replica holds without a tokenizer of its own. A request is checked as it would be to
+    generate, by the gateway and by the server's preprocessing, which tokenizes it; nothing is decoded."""
+    async def render(request: Request, chat: bool):
+        _authorize(request, settings.api_key)
+        body = await _json_body(request, settings.max_body_bytes)
+        t = (api.chat_request(body, settings.model_id, settings.default_max_tokens, settings.reasoning_parser) if chat
+             else api.completion_request(body, settings.model_id))
+        try:
+            token_ids = await transport["grpc"].prompt_token_ids(t.request)
+        except DFlashClientError as e:
+            raise _api_error(e) from None
+        return answers.rendered(t, settings.model_id, token_ids, chat)
+
+    @app.post(CHAT_RENDER_PATH)
+    async def chat_render(request: Request):
+        return await render(request, chat=True)
+
+    @app.post(COMPLETIONS_RENDER_PATH)
+    async def completions_render(request: Request):
+        return await render(request, chat=False)
+
+
+def _answer_errors_as_openai(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours, FastAPI's (unknown paths, wrong methods), and any other as a 500."""
+    @app.exception_handler(api.APIError)
+    async def api_error(_, e: api.APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):
+        return JSONResponse(api.APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, e: Exception):
+        return JSONResponse(api.APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
 
 
 def _model(model_id: str, created: int) -> dict:

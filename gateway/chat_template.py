@@ -88,7 +88,10 @@ class ChatTemplate:
     def count(self, text: str, special_tokens: bool) -> int:
         """Tokens of a text, with what the tokenizer adds (a raw prompt) or without (a templated prompt, which holds
         its special tokens already, as transformers encodes an applied template; an answer)."""
-        return len(self._tokenizer.encode(text, add_special_tokens=special_tokens).ids) if text else 0
+        return len(self.token_ids(text, special_tokens))
+
+    def token_ids(self, text: str, special_tokens: bool) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids if text else []
 
 
 def conversation(messages_json: str) -> list[dict[str, str]]:

@@ -15,9 +15,11 @@ from dflash_contract.server import E2E_BUCKETS, GATEWAY_HEALTH_PATH, GATEWAY_MET
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 GENERATE_ENDPOINTS = (CHAT_PATH, COMPLETIONS_PATH)
+CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH = CHAT_PATH + "/render", COMPLETIONS_PATH + "/render"  # vLLM's
 MODEL_ENDPOINT = "/v1/models/{model}"
 # the `endpoint` label: these paths, MODEL_ENDPOINT for /v1/models/<id>, and "other" for any other path (bounded)
-ENDPOINTS = (*GENERATE_ENDPOINTS, "/v1/models", MODEL_ENDPOINT, GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH)
+ENDPOINTS = (*GENERATE_ENDPOINTS, CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, "/v1/models", MODEL_ENDPOINT,
+             GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH)
 OTHER = "other"
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer ended
 # a health check or a model list takes milliseconds; an answer the time of its tokens

@@ -38,6 +38,7 @@ from dflash_contract.presets import PRESETS
 from dflash_contract.server import (GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH, LIVE_PATH, METRICS_PATH,
                                     OPENAI_API_KEY_ENV, PORTS, READY_PATH, SHUTDOWN_SECONDS)
 from dflash_training import drafter_data, train_drafter
+from gateway.protocol_metrics import ENGINE_TYPE, ENGINE_TYPE_LABEL
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy/helm/dflash"
@@ -473,6 +474,13 @@ def test_the_openai_gateway_is_exposed_to_the_clients_only(rendered):
             "kubernetes.io/metadata.name": r.values["monitoring"]["namespace"]}}}]
         assert policy["spec"]["egress"] == []  # the gateway calls tritonserver over the pod's loopback
     assert rendered["h100-fp8"].values["network"]["clientNamespaces"] == ["chat-frontend"]  # not vacuous
+
+
+def test_the_pods_name_the_metrics_dialect_their_gateway_speaks(rendered):
+    """An Inference Gateway endpoint picker reads each pod's engine type from this label and scrapes the metric
+    names of that engine: the names gateway/protocol_metrics.py serves."""
+    for name, r in rendered.items():
+        assert pod_labels(r)[ENGINE_TYPE_LABEL] == ENGINE_TYPE == "vllm", name
 
 
 def test_the_gateways_api_key_comes_from_a_secret_only_when_asked(rendered):

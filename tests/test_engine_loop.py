@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import re
 import struct
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from conftest import PROMPTS, load_pair
+from dflash_contract.engine_counts import Counts, EngineCounts
 from dflash_contract.protocol import CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE, error_class
 from dflash_contract.server import FAILED_STEPS_LIMIT, TEST_FAULT_ENV, StepProgress
 from dflash_runtime import SamplingParams
@@ -236,6 +239,72 @@ def test_the_loop_records_each_step_for_the_progress_watch(tiny, tmp_path):
         assert "the engine made no progress: a step has run for" in watch.hung(floor_seconds=0.1)
     finally:
         loop.stop()
+
+
+def test_the_counts_a_router_reads_are_the_engines_own_at_every_change(tiny, tmp_path):
+    """Written at each arrival (a request not yet admitted waits too) and after each iteration: during a step, the
+    queue grows with every submit; after it, running, waiting and KV blocks are the engine's occupancy exactly."""
+    path = tmp_path / "counts"
+    reader = EngineCounts.create(path)
+    engine, loop = _loop(tiny, counts=EngineCounts(path))  # 2 slots
+    gate, stepping, mismatches = threading.Event(), threading.Event(), []
+    step = engine.step
+
+    def held_step():
+        stepping.set()
+        gate.wait()
+        return step()
+
+    def check(_report):  # on the loop's thread, after the iteration published its counts
+        occupancy, counts = engine.occupancy(), reader.read()
+        seen = (counts.running, counts.waiting, counts.kv_blocks_used, counts.kv_blocks)
+        want = (occupancy.running, occupancy.waiting + len(loop._pending),  # arrived during the step: not yet admitted
+                occupancy.used_blocks, occupancy.used_blocks + occupancy.free_blocks)
+        if seen != want:
+            mismatches.append((seen, want))
+
+    engine.step, loop.on_step = held_step, check
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    streams = [Collector() for _ in range(4)]
+    try:
+        assert reader.read() == Counts(0, 0, 0, engine.block_manager.num_blocks, 16, 0, 0)  # written once loaded
+        loop.submit(PROMPTS[0], params, streams[0])
+        assert stepping.wait(60)  # the first step holds: the request is in the scheduler's queue, not yet running
+        for stream in streams[1:]:
+            loop.submit(PROMPTS[1], params, stream)
+            assert reader.read().waiting == 1 + streams.index(stream)  # each arrival counted at once
+        assert reader.read().running == 0 and reader.read().prompt_tokens == len(PROMPTS[0])
+        gate.set()
+        assert all(s.done.wait(60) and s.error is None for s in streams)
+        assert not mismatches, mismatches
+        final = reader.read()
+        assert (final.running, final.waiting, final.kv_blocks_used) == (0, 0, 0)
+        assert final.prompt_tokens == len(PROMPTS[0]) + 3 * len(PROMPTS[1])
+        assert final.generation_tokens == sum(len(s.output_ids()) for s in streams) == 4 * 12
+    finally:
+        gate.set()
+        loop.stop()
+
+
+def test_a_reader_never_takes_half_of_one_write(tmp_path):
+    """A reader in another process, reading while the writer rewrites as fast as it can, sees every field of one
+    write or none: the seqlock."""
+    path = tmp_path / "counts"
+    writer = EngineCounts.create(path)
+    code = ("import sys; from pathlib import Path; from dflash_contract.engine_counts import EngineCounts\n"
+            "reader, seen = EngineCounts(Path(sys.argv[1])), set()\n"
+            "while len(seen) < 2000:\n"
+            "    c = reader.read()\n"
+            "    if c is not None:\n"
+            "        assert len(set(vars(c).values())) == 1, c\n"
+            "        seen.add(c.running)\n"
+            "print(len(seen))\n")
+    reading = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    n = 0
+    while reading.poll() is None:
+        n += 1
+        writer.write(Counts(*[n] * 7))
+    assert reading.returncode == 0 and reading.stdout.read().strip() == "2000"
 
 
 def test_submit_never_waits_for_the_step_in_progress(tiny):

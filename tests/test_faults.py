@@ -24,7 +24,8 @@ import pytest
 
 from clients import AsyncDFlashClient, GenerationParams, RetryPolicy, ServerUnavailable
 from deploy.ports import pick_ports
-from deploy.serve import TritonServer, _proc_stat, backend_processes, ready_ports, supervise
+from deploy.serve import ready_ports, supervise
+from deploy.server_process import TritonServer, _proc_stat, backend_processes
 from dflash_contract.protocol import CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE, error_class
 from dflash_contract.server import (EXIT_TIMEOUT_S, FAILED_STEPS_LIMIT, FAILURE_FILE_ENV, METRICS_PATH, PORTS,
                                     READY_PATH, TEST_FAULT_ENV, UNHEALTHY_EXIT_CODE, report_engine_failure)

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from clients import DFlashClient, GenerationParams
-from deploy.serve import start_gateway
+from deploy.server_process import start_gateway
 from dflash_contract.protocol import LIMITS
 from dflash_runtime.text import encode_prompt, load_tokenizer
 from test_serving import freed_promptly, metric, streamed_text, until_no_active_sequence, wait_for_metric
@@ -299,6 +299,41 @@ def test_a_misspelt_field_is_refused_with_the_field_it_was_meant_to_be():
         chat_request(body, MODEL, 16)
     with pytest.raises(APIError, match=r"^best_of_n is not supported by this server$"):  # nothing close
         chat_request({"model": MODEL, "messages": CONVERSATION[1:2], "best_of_n": 2}, MODEL, 16)
+
+
+def test_render_gives_the_token_ids_a_request_is_decoded_from_and_checks_it_as_one(client, default_server,
+                                                                                    default_build):
+    """vLLM's render endpoints: the server's own preprocessing tokenizes, so the ids are those the engine gets (the
+    chat template for a conversation, raw text for a completion), as many as a real answer's usage counts; a bad
+    request is refused with the words a generate request gets, and nothing is decoded."""
+    url, tokenizer = default_server.gateway.url, load_tokenizer(default_build / "target")
+    chat = httpx.post(f"{url}/v1/chat/completions/render", json={"model": MODEL, "messages": CONVERSATION},
+                      timeout=60)
+    assert chat.status_code == 200, chat.text
+    rendered = chat.json()
+    assert rendered["model"] == MODEL and rendered["request_id"].startswith("chatcmpl-")
+    assert rendered["token_ids"] == encode_prompt(tokenizer, CONVERSATION)
+    answer = client.chat.completions.create(model=MODEL, messages=CONVERSATION, **GREEDY)
+    assert answer.usage.prompt_tokens == len(rendered["token_ids"])
+    prompt = "The capital of France is"
+    (completion,) = httpx.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": prompt},
+                               timeout=60).json()
+    assert completion["token_ids"] == encode_prompt(tokenizer, prompt, chat=False)
+    assert completion["request_id"].endswith("-0")
+    def ensemble_refusals():  # what preprocessing counts when it refuses a request of the ensemble's
+        lines = httpx.get(default_server.metrics_url, timeout=10).text.splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("dflash_requests_total{")
+                   and 'model="ensemble"' in line and 'outcome="refused"' in line)
+
+    refusals = ensemble_refusals()  # a render is nobody's request: its refusal is not counted
+    for body, status, words in [({"model": MODEL, "prompt": prompt, "top_p": 2}, 400, "top_p"),
+                                ({"model": "nope", "prompt": prompt}, 404, "does not exist"),
+                                ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role")]:
+        path = "/v1/chat/completions/render" if "messages" in body else "/v1/completions/render"
+        refused = httpx.post(url + path, json=body, timeout=60)
+        assert refused.status_code == status and words in refused.json()["error"]["message"], refused.text
+    time.sleep(1)  # metrics are recorded off the request's thread
+    assert ensemble_refusals() == refusals
 
 
 def test_raw_http_errors_have_openais_shape(default_server):

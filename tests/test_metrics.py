@@ -8,7 +8,9 @@ thread) with a timeout, never on timings.
 from __future__ import annotations
 
 import json
+import queue
 import re
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -20,11 +22,14 @@ import requests
 import yaml
 
 from dflash_contract.protocol import (CANCELLED_MESSAGE, CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE,
-                                      INTERNAL_ERROR_PREFIX, SHUTTING_DOWN_MESSAGE, invalid_request)
+                                      INTERNAL_ERROR_PREFIX, RENDER_CALL_PREFIX, SHUTTING_DOWN_MESSAGE,
+                                      invalid_request)
 from dflash_contract.server import GATEWAY_METRICS_PATH
-from dflash_serving.metrics import (BLS_CALL_PREFIX, FRONT_MODELS, OUTCOMES, RequestMetrics, error_outcome,
-                                    front_model)
+from dflash_serving.metrics import (BLS_CALL_PREFIX, FRONT_MODELS, OUTCOMES, RequestMetrics, counted_at_front,
+                                    error_outcome, front_model)
+from dflash_contract.engine_counts import Counts
 from gateway.metrics import GatewayMetrics, endpoint_of
+from gateway.protocol_metrics import protocol_metrics
 from test_serving import Stream, refusal
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,6 +57,9 @@ def test_an_error_names_its_outcome(message, tokens, expected):
 def test_the_front_model_of_a_dflash_request():
     assert front_model(BLS_CALL_PREFIX + "0123", None) is None  # dflash_bls counts its own
     assert front_model("", np.array([[1]])) == "ensemble" and front_model("abc", None) == "dflash"
+    # preprocessing's refusals: the ensemble's own, not dflash_bls's calls nor a client's render
+    assert counted_at_front("") and counted_at_front("abc")
+    assert not counted_at_front(BLS_CALL_PREFIX + "0123") and not counted_at_front(RENDER_CALL_PREFIX + "0123")
 
 
 class FakeMetric:
@@ -125,6 +133,22 @@ def test_the_gateway_writes_prometheus_text():
     assert value(samples, "dflash_gateway_request_duration_seconds_bucket", endpoint="/v1/chat/completions",
                  le="0.5") == 1
     assert value(samples, "dflash_gateway_time_to_first_token_seconds_count", endpoint="/v1/chat/completions") == 1
+
+
+def test_the_protocol_gauges_have_vllms_names_and_meanings():
+    """The names the Inference Gateway's endpoint picker reads for engine type vllm (its default), KV usage from 0 to
+    1 as vLLM and the picker's scorer take it, the cache geometry in cache_config_info's labels; no counts, no
+    families (a pod with no data, not an idle one)."""
+    counts = Counts(running=3, waiting=5, kv_blocks_used=40, kv_blocks=160, block_size=16, prompt_tokens=900,
+                    generation_tokens=1200)
+    samples = parse(protocol_metrics(counts, 'my "model"'))
+    named = {"model_name": 'my \\"model\\"'}  # as Prometheus escapes a label value
+    assert value(samples, "vllm:num_requests_running", **named) == 3
+    assert value(samples, "vllm:num_requests_waiting", **named) == 5
+    assert value(samples, "vllm:kv_cache_usage_perc", **named) == 0.25
+    assert value(samples, "vllm:cache_config_info", block_size="16", num_gpu_blocks="160") == 1
+    assert value(samples, "vllm:prompt_tokens_total") == 900 and value(samples, "vllm:generation_tokens_total") == 1200
+    assert protocol_metrics(None, "m") == ""
 
 
 # --- the real server -------------------------------------------------------------------------------------
@@ -311,6 +335,50 @@ def test_the_gateway_counts_its_requests_and_the_server_counts_them_as_dflash_bl
     assert delta(gateway, gateway_before, "dflash_gateway_time_to_first_token_seconds_count", endpoint=chat) == 1
     # no API key on the metrics path, like the health path (Prometheus sends none)
     assert requests.get(served.gateway_metrics, timeout=10).headers["content-type"].startswith("text/plain")
+
+
+def test_the_gateway_serves_the_engines_own_queue_and_kv_counts_to_a_router(served, default_build):
+    """16 streams on 8 batch places: the protocol gauges on the gateway's port (what the endpoint picker scrapes) say
+    8 running and 8 waiting while all are in flight, the KV blocks the build has, and 0 / 0 once they are closed."""
+    served.idle()
+    url, gateway = served.server.gateway.url, served.gateway_metrics
+    before = scrape(gateway)
+    assert value(before, "vllm:num_requests_running") == value(before, "vllm:num_requests_waiting") == 0
+    kv_tokens = re.search(r'key: "kv_cache_tokens" value: \{ string_value: "(\d+)" \}',
+                          (default_build / "model_repository/dflash/config.pbtxt").read_text()).group(1)
+    assert value(before, "vllm:cache_config_info", block_size="16", num_gpu_blocks=str(int(kv_tokens) // 16)) == 1
+    body = {"model": "smollm2-135m", "prompt": "Count from one to a thousand: one, two,", "max_tokens": 2000,
+            "temperature": 0, "stream": True}
+    # each on a thread of its own: the gateway answers a stream's headers once its first token is made, and 8 of
+    # these wait for a place
+    streams = queue.Queue()
+    senders = [threading.Thread(target=lambda: streams.put(requests.post(f"{url}/v1/completions", json=body,
+                                                                         stream=True, timeout=120)))
+               for _ in range(16)]
+    for sender in senders:
+        sender.start()
+    try:
+        deadline, seen = time.monotonic() + 60, []
+        while time.monotonic() < deadline and seen[-1:] != [(8, 8)]:  # all 16 in the engine, 8 of them decoding
+            samples = scrape(gateway)
+            seen.append((value(samples, "vllm:num_requests_running"), value(samples, "vllm:num_requests_waiting")))
+            time.sleep(0.1)
+        assert seen[-1] == (8, 8), seen[-10:]
+        assert all(running <= 8 and running + waiting <= 16 for running, waiting in seen), seen
+        assert 0 < value(samples, "vllm:kv_cache_usage_perc") < 1
+        prompt = delta(samples, before, "vllm:prompt_tokens_total")
+        assert prompt > 0 and prompt % 8 == 0  # one prompt's tokens per request the engine's queue took
+    finally:
+        for _ in senders:  # the client goes away: the gateway cancels, the engine frees the place for a waiting one
+            response = streams.get(timeout=120)
+            assert response.status_code == 200, response.text
+            response.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (value(after := scrape(gateway), "vllm:num_requests_running")
+                                           or value(after, "vllm:num_requests_waiting")):
+        time.sleep(0.2)
+    assert value(after, "vllm:num_requests_running") == value(after, "vllm:num_requests_waiting") == 0
+    assert delta(after, before, "vllm:generation_tokens_total") >= 8  # each running stream had its tokens
 
 
 # --- the chart's PrometheusRule names what the servers export --------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 
 import deploy.ports
 from deploy.ports import PortError, free_ports, pick_ports
-from deploy.serve import ServeError, start_gateway
+from deploy.server_process import ServeError, start_gateway
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from deploy.serve import start_gateway
+from deploy.server_process import start_gateway
 from gateway.answers import chat_message
 from gateway.api import chat_request
 from gateway.reasoning import StreamSplitter, split

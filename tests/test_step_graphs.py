@@ -10,7 +10,7 @@ import torch
 
 from conftest import BLOCK, PROMPTS, load_pair
 from dflash_runtime import SamplingParams, SpeculativeEngine
-from dflash_runtime.engine import cache_capacity
+from dflash_runtime.engine_sizes import cache_capacity
 from dflash_runtime.step_graphs import MIN_LENGTH_BUCKET, StepGraphs, batch_bucket, length_bucket, length_buckets
 from test_verify_length import Cycle, cycle_block_size, mixed_requests
 

@@ -22,6 +22,7 @@ from builder.trtllm import GPUS, QUANTIZATION_MIN_SM
 from dflash_contract.layout import MANIFEST_FILE, REPO_ROOT, REPOSITORY_DIR
 from dflash_contract.presets import PRESETS
 from dflash_training.options import data_parser, train_parser
+from gateway.protocol_metrics import ENGINE_TYPE, ENGINE_TYPE_LABEL
 from dflash_contract.server import (GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH, LIVE_PATH, METRICS_PATH,
                                     OPENAI_API_KEY_ENV, PORTS, READY_PATH, SHUTDOWN_SECONDS)
 
@@ -60,6 +61,7 @@ def contract() -> dict:
                   "gatewayMetrics": GATEWAY_METRICS_PATH},
         "shutdownSeconds": SHUTDOWN_SECONDS,
         "openaiApiKeyEnv": OPENAI_API_KEY_ENV,
+        "router": {"engineTypeLabel": ENGINE_TYPE_LABEL, "engineType": ENGINE_TYPE},
         "build": {"repositoryDir": REPOSITORY_DIR, "manifestFile": MANIFEST_FILE},
         "presets": {p.name: {"downloads": downloads(p), "runtimes": list(p.runtimes)} for p in PRESETS.values()},
         "builder": {"flags": flags(build_parser()), "valueless": valueless_flags(),

@@ -14,6 +14,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dflash_contract import DFlashError
+from dflash_contract.engine_counts import engine_counts
 from dflash_contract.presets import parse_block_size
 from dflash_contract.protocol import (CANCELLED_MESSAGE, FINISH_REASON, STATISTICS, config_type, error_class,
                                       invalid_request, response_statistics)
@@ -66,7 +67,7 @@ class TritonPythonModel:
         reports = queue.SimpleQueue()
         self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put,
                                on_failure=self._engine_failed, progress=progress_signal(),
-                               max_queue_seconds=queue_timeout())
+                               max_queue_seconds=queue_timeout(), counts=engine_counts())
         engine = self.loop.engine
         graphs = str(engine.graphs.report) if engine.graphs.capture else "no CUDA graphs"
         pb_utils.Logger.log_info(f"dflash: engine ready on {engine.device}, max batch {engine.scheduler.num_slots}, "

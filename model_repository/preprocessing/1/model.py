@@ -7,7 +7,8 @@ client's request parameters too (Triton 2.51 passes them to the steps: measured)
 body's misspelt field arrives; dflash_bls checks its own (a BLS call passes none on).
 
 For the ensemble's request metrics (dflash_serving.metrics) it counts the requests it refuses, and gives the
-others their arrival time, which the ensemble passes on to dflash.
+others their arrival time, which the ensemble passes on to dflash. A client may call it alone, for the token ids a
+prompt becomes (the OpenAI gateway's render endpoints): such calls are nobody's requests, and not counted.
 """
 import time
 
@@ -17,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from dflash_contract import DFlashError
 from dflash_contract.protocol import invalid_request
 from dflash_runtime.text import encode_prompt, load_tokenizer
-from dflash_serving.metrics import ARRIVAL_INPUT, BLS_CALL_PREFIX, RequestMetrics, TritonRegistry
+from dflash_serving.metrics import ARRIVAL_INPUT, RequestMetrics, TritonRegistry, counted_at_front
 from dflash_serving.model_args import artifact_path, model_parameters
 from dflash_serving.requests import parse_front_request
 
@@ -49,7 +50,7 @@ class TritonPythonModel:
             except DFlashError as e:
                 raise DFlashError(f"{'text_input' if isinstance(prompt, str) else 'messages'}: {e}") from None
         except DFlashError as e:
-            if not request.request_id().startswith(BLS_CALL_PREFIX):  # the ensemble's, still in flight: count now
+            if counted_at_front(request.request_id()):  # the ensemble's, still in flight: count now
                 self.requests.count_now("ensemble", "refused", "INVALID_ARG")
             error = pb_utils.TritonError(invalid_request(str(e)), pb_utils.TritonError.INVALID_ARG)
             return pb_utils.InferenceResponse(error=error)
