@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from dflash_contract.layout import read_manifest, resolve_in_build
 from dflash_contract.protocol import range_error
 from dflash_contract.server import (DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S, EXIT_TIMEOUT_S,
                                     FAILURE_FILE_ENV, HANG_FLOOR_SECONDS, HANG_STEP_MULTIPLE, HEALTH_CHECK_SECONDS,
+                                    KV_EVENTS_ENDPOINT_ENV, KV_EVENTS_REPLAY_ENV, KV_EVENTS_TOPIC_ENV,
                                     OPENAI_API_KEY_ENV, PORTS, PROGRESS_FILE_ENV, QUEUE_TIMEOUT_ENV,
                                     QUEUE_TIMEOUT_SECONDS, UNHEALTHY_EXIT_CODE, StepProgress)
 from dflash_contract.versions import version_warning
@@ -122,23 +124,22 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
                  trtllm_model_code: Path = TRTLLM_MODEL_CODE, openai_port: int | None = None,
                  openai_api_key: str | None = None, hang_seconds: float = HANG_FLOOR_SECONDS,
                  queue_timeout: float = QUEUE_TIMEOUT_SECONDS, host: str = ANY_ADDRESS,
-                 served_model_name: str | None = None, default_max_tokens: int | None = None) -> TritonServer:
+                 served_model_name: str | None = None, default_max_tokens: int | None = None,
+                 kv_events_port: int | None = None, kv_events_replay_port: int | None = None,
+                 kv_events_topic: str | None = None) -> TritonServer:
     """Start tritonserver on `repository` and wait until it is ready, then the OpenAI gateway on openai_port
     (None: no gateway), serving the model as served_model_name (None: the build's target, model_id). Port 0 picks a
     free port. A dflash engine step running longer than max(HANG_STEP_MULTIPLE x its usual cost, hang_seconds)
     makes the server unhealthy; a request waiting longer than queue_timeout for a slot is refused (0: no bound).
-    Every port is bound to `host`."""
+    kv_events_port: publish the prefix cache's changes there (ZMQ PUB, dflash_serving/kv_events.py; None: not at
+    all), replays on kv_events_replay_port, under kv_events_topic (default kv@<host name>@<served model>). Every port
+    is bound to `host`."""
     repository = Path(repository).resolve()
     if not repository.is_dir():
         raise ServeError(f"model repository {repository} does not exist (build one with builder/build.py)")
-    wanted = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
-    if openai_port is not None:
-        wanted["openai"] = openai_port
-    try:  # every port at once, before anything loads: a busy one is refused now, not after the models
-        picked = pick_ports({f"--{name}-port": port for name, port in wanted.items()}, host)
-    except PortError as e:
-        raise ServeError(str(e)) from None
-    ports = {name: picked[f"--{name}-port"] for name in wanted}
+    optional = {"openai": openai_port, "kv_events": kv_events_port, "kv_events_replay": kv_events_replay_port}
+    ports = _ports({"http": http_port, "grpc": grpc_port, "metrics": metrics_port,
+                    **{name: port for name, port in optional.items() if port is not None}}, host)
     runtime = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
     # from the build beside the repository, not the staged copy's runtime folder
     served_id, target_dir = served_model_name or model_id(repository), gateway_target_dir(repository)
@@ -149,10 +150,9 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
         raise
     progress = StepProgress.create(runtime / PROGRESS_FILE)  # all zeros: no step running, until the engine's first
     EngineCounts.create(runtime / COUNTS_FILE)  # none until the engine's first: the gateway serves no counts yet
-    env = {**os.environ, DRAIN_FILE_ENV: str(runtime / DRAIN_FILE), DRAIN_SECONDS_ENV: str(drain_seconds),
-           FAILURE_FILE_ENV: str(runtime / FAILURE_FILE), PROGRESS_FILE_ENV: str(runtime / PROGRESS_FILE),
-           QUEUE_TIMEOUT_ENV: str(queue_timeout), ENGINE_COUNTS_FILE_ENV: str(runtime / COUNTS_FILE)}
-    env.pop(OPENAI_API_KEY_ENV, None)  # the gateway's alone: the models' processes have no use for it
+    env = _model_environment(runtime, drain_seconds, queue_timeout)
+    if kv_events_port is not None:
+        env.update(_kv_events_environment(ports, host, kv_events_topic or f"kv@{socket.gethostname()}@{served_id}"))
     command = _tritonserver_command(repository, runtime, env, ports, host, log_verbose)
     log = open(log_path, "ab") if log_path else None
     # its own process group: backend stubs orphaned by an abrupt exit are reaped with the group
@@ -175,6 +175,33 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
         raise
     server.backends = backend_processes(process.pid)
     return server
+
+
+def _ports(wanted: dict[str, int], host: str) -> dict[str, int]:
+    """Every port at once, before anything loads: a busy one is refused now, not after the models (0: a free one)."""
+    try:
+        picked = pick_ports({f"--{name.replace('_', '-')}-port": port for name, port in wanted.items()}, host)
+    except PortError as e:
+        raise ServeError(str(e)) from None
+    return {name: picked[f"--{name.replace('_', '-')}-port"] for name in wanted}
+
+
+def _model_environment(runtime: Path, drain_seconds: float, queue_timeout: float) -> dict[str, str]:
+    """The models' environment: where this launcher and they signal each other (dflash_contract.server)."""
+    env = {**os.environ, DRAIN_FILE_ENV: str(runtime / DRAIN_FILE), DRAIN_SECONDS_ENV: str(drain_seconds),
+           FAILURE_FILE_ENV: str(runtime / FAILURE_FILE), PROGRESS_FILE_ENV: str(runtime / PROGRESS_FILE),
+           QUEUE_TIMEOUT_ENV: str(queue_timeout), ENGINE_COUNTS_FILE_ENV: str(runtime / COUNTS_FILE)}
+    env.pop(OPENAI_API_KEY_ENV, None)  # the gateway's alone: the models' processes have no use for it
+    return env
+
+
+def _kv_events_environment(ports: dict[str, int], host: str, topic: str) -> dict[str, str]:
+    """Where the dflash model publishes the prefix cache's changes (ZMQ endpoints; `*`: every interface)."""
+    address = "*" if host in (ANY_ADDRESS, "::", "") else f"[{host}]" if ":" in host else host
+    env = {KV_EVENTS_ENDPOINT_ENV: f"tcp://{address}:{ports['kv_events']}", KV_EVENTS_TOPIC_ENV: topic}
+    if "kv_events_replay" in ports:
+        env[KV_EVENTS_REPLAY_ENV] = f"tcp://{address}:{ports['kv_events_replay']}"
+    return env
 
 
 def _tritonserver_command(repository: Path, runtime: Path, env: dict[str, str], ports: dict[str, int], host: str,
@@ -208,7 +235,9 @@ def _tritonserver_command(repository: Path, runtime: Path, env: dict[str, str], 
 def ready_line(server: TritonServer) -> str:
     """stdout's first line once serving: where each door listens (port 0 picked a free one)."""
     openai = f"  openai {server.gateway.url}/v1" if server.gateway else ""
-    return f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}{openai}"
+    events = "".join(f"  {name} tcp://{server.grpc_url.rsplit(':', 1)[0]}:{server.ports[name]}"
+                     for name in ("kv_events", "kv_events_replay") if name in server.ports)
+    return f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}{openai}{events}"
 
 
 def ready_ports(line: str) -> dict[str, int]:
@@ -277,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--openai-api-key", default=os.environ.get(OPENAI_API_KEY_ENV) or None,
                         help=f"require this bearer token on the OpenAI API (default: ${OPENAI_API_KEY_ENV}; unset: "
                              "no key)")
+    _add_kv_events_options(parser)
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbosity (0 = info)")
     parser.add_argument("--ready-timeout", type=float, default=600,
                         help="seconds to wait for readiness (default: 600)")
@@ -293,12 +323,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_kv_events_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prefix-cache events, for a router (off by default)")
+    group.add_argument("--kv-events-port", type=int,
+                       help="publish the prefix cache's changes on this port, as vLLM publishes its KV-cache events "
+                            "(ZMQ PUB, msgpack; for llm-d's precise prefix-cache routing); 0 = pick a free port; "
+                            "default: off")
+    group.add_argument("--kv-events-replay-port", type=int,
+                       help="with --kv-events-port: answer replay requests there (ZMQ ROUTER, vLLM's replay)")
+    group.add_argument("--kv-events-topic",
+                       help="with --kv-events-port: the messages' topic (default: kv@<host name>@<served model>, "
+                            "llm-d's form; a pod passes kv@$(POD_IP)@<model>)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     error = args.default_max_tokens is not None and range_error("max_tokens", args.default_max_tokens)
     if error:  # the gateway's own check, made before the models load
         parser.error(f"--default-max-tokens: {error}")
+    if args.kv_events_port is None and (args.kv_events_replay_port is not None or args.kv_events_topic):
+        parser.error("--kv-events-replay-port and --kv-events-topic need --kv-events-port")
     warning = version_warning("dflash-serve")
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -310,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
                               openai_port=None if args.no_openai else args.openai_port,
                               openai_api_key=args.openai_api_key, hang_seconds=args.hang_seconds,
                               queue_timeout=args.queue_timeout, host=args.host,
-                              served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens)
+                              served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
+                              kv_events_port=args.kv_events_port, kv_events_replay_port=args.kv_events_replay_port,
+                              kv_events_topic=args.kv_events_topic)
     except ServeError as e:
         print(f"dflash-serve: {e}", file=sys.stderr)
         return 1

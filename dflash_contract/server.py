@@ -84,6 +84,11 @@ FAILED_STEPS_LIMIT = 3
 # than for as long as every request before it takes. dflash-serve --queue-timeout sets it (0: no bound).
 QUEUE_TIMEOUT_ENV = "DFLASH_QUEUE_TIMEOUT_SECONDS"
 QUEUE_TIMEOUT_SECONDS = 60.0
+# The prefix cache's changes for a router (dflash_serving/kv_events.py), when dflash-serve --kv-events-port is set:
+# the ZMQ endpoints the dflash model binds (PUB; ROUTER for replays, optional) and the messages' topic.
+KV_EVENTS_ENDPOINT_ENV = "DFLASH_KV_EVENTS_ENDPOINT"
+KV_EVENTS_REPLAY_ENV = "DFLASH_KV_EVENTS_REPLAY_ENDPOINT"
+KV_EVENTS_TOPIC_ENV = "DFLASH_KV_EVENTS_TOPIC"
 # Tests only: "hang-step" makes the engine loop's next step block forever, "fail-step" makes every step raise.
 TEST_FAULT_ENV = "DFLASH_TEST_FAULT"
 

@@ -8,6 +8,9 @@ the drafter's context K/V of a token depends only on the target's features of th
 restores the drafts as well as the target's keys (vLLM #47930 loses them, TensorRT-LLM recomputes them). A hit
 compares token ids, so a hash collision is never a hit. Freed blocks stay findable until they are reused,
 least recently freed first.
+
+Once asked (record_events), it also records what enters and leaves the prefix cache, as CacheEvents, for a router
+that routes each request to the replica holding its prefix (dflash_serving/kv_events.py publishes them).
 """
 from __future__ import annotations
 
@@ -22,6 +25,17 @@ class Block:
     id: int
     ref_count: int = 0
     hash: int | None = None  # set once the block is full and cached
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """A change of the prefix cache: blocks "stored" (a chain: each block's hash, the hash before the first, their
+    tokens in order), blocks "removed" (evicted for reuse), or "cleared" (the whole cache)."""
+
+    kind: str
+    block_hashes: tuple[int, ...] = ()
+    parent_hash: int | None = None
     token_ids: tuple[int, ...] = ()
 
 
@@ -41,6 +55,18 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # chained hash -> block id
         self.queried_tokens = 0  # prompt tokens looked up in the prefix cache, and those found there
         self.hit_tokens = 0
+        self.events: list[CacheEvent] | None = None  # None: not recorded
+
+    def record_events(self) -> None:
+        """From now on, record every change of the prefix cache (take_events hands them over)."""
+        self.events = []
+
+    def take_events(self) -> list[CacheEvent]:
+        """The changes recorded since the last call, oldest first."""
+        if self.events is None:
+            return []
+        events, self.events = self.events, []
+        return events
 
     @property
     def num_blocks(self) -> int:
@@ -92,12 +118,24 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), written // bs):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(hashes[-1] if hashes else None, chunk)
+            parent = hashes[-1] if hashes else None
+            h = chain_hash(parent, chunk)
             hashes.append(h)
             block = self.blocks[table[i]]
             if h not in self.cached:  # else another sequence cached the same tokens first: this copy stays private
                 block.hash, block.token_ids = h, chunk
                 self.cached[h] = block.id
+                self._stored(h, parent, chunk)
+
+    def _stored(self, h: int, parent: int | None, chunk: tuple[int, ...]) -> None:
+        """Record a block entering the cache, joined to the last event when that stored the block before it."""
+        if self.events is None:
+            return
+        last = self.events[-1] if self.events else None
+        if last is not None and last.kind == "stored" and last.block_hashes[-1] == parent:
+            self.events[-1] = CacheEvent("stored", last.block_hashes + (h,), last.parent_hash, last.token_ids + chunk)
+        else:
+            self.events.append(CacheEvent("stored", (h,), parent, chunk))
 
     def release(self, table: list[int]) -> None:
         """Give back a sequence's blocks; its cached ones stay findable until reused. The last block is reused
@@ -114,6 +152,8 @@ class BlockManager:
         for block in self.blocks:
             block.hash, block.token_ids = None, ()
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(CacheEvent("cleared"))
 
     def _match(self, token_ids: list[int]) -> list[Block]:
         hits, h, bs = [], None, self.block_size
@@ -134,6 +174,8 @@ class BlockManager:
         if block.hash is not None:  # evict it from the prefix cache
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self.events.append(CacheEvent("removed", (block.hash,)))
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id

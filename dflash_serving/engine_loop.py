@@ -24,6 +24,7 @@ from dflash_runtime.sampling import SamplingParams, SamplingStats
 from dflash_runtime.scheduler import Occupancy
 from dflash_runtime.sequence import Sequence, Status
 
+from .kv_events import KVEventPublisher
 from .detokenize import token_window
 
 
@@ -104,7 +105,8 @@ class EngineLoop:
     def __init__(self, make_engine: Callable[[], SpeculativeEngine], max_queue_size: int = 64,
                  on_step: Callable[[StepReport], None] | None = None,
                  on_failure: Callable[[str], None] | None = None, progress: StepProgress | None = None,
-                 max_queue_seconds: float | None = None, counts: EngineCounts | None = None):
+                 max_queue_seconds: float | None = None, counts: EngineCounts | None = None,
+                 kv_events: KVEventPublisher | None = None):
         """make_engine runs on the loop thread, and no other thread should run torch afterwards.
 
         Why: each thread that runs a parallel torch op gets its own OpenMP team, and on a small CPU
@@ -115,7 +117,8 @@ class EngineLoop:
         for a watch in another process (dflash_contract.server.StepProgress). A request still waiting for a
         slot after max_queue_seconds is refused as at capacity (None: it waits as long as it takes). counts, when
         given, gets the engine's counts whenever they change: at each request's arrival and after each iteration
-        (dflash_contract.engine_counts, what a router reads).
+        (dflash_contract.engine_counts, what a router reads). kv_events, when given, gets each iteration's changes of
+        the prefix cache (kv_events.py), and is closed with the loop.
         """
         if max_queue_size < 0:
             raise DFlashError(f"max queue size must be >= 0, got {max_queue_size}")
@@ -125,7 +128,7 @@ class EngineLoop:
         self.on_failure = on_failure
         self.failure: str | None = None  # why the loop thread died
         self.progress = progress
-        self.counts = counts
+        self.counts, self.kv_events = counts, kv_events
         self._prompt_tokens = self._generation_tokens = 0  # since the engine started, for `counts`
         self._usual_step_seconds = 0.0
         self._failed_steps = 0
@@ -191,6 +194,8 @@ class EngineLoop:
             _fail(request, message)
         self._requests.clear()
         self._pending.clear()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     @property
     def alive(self) -> bool:
@@ -224,6 +229,9 @@ class EngineLoop:
             self.engine = make_engine()
             self._occupancy = self.engine.occupancy()
             self._publish_counts()
+            if self.kv_events is not None:  # from now: the start-up's dummy sequences are nobody's prefixes
+                self.engine.block_manager.record_events()
+                self.kv_events.medium = "GPU" if self.engine.device.type == "cuda" else "CPU"
         except BaseException as e:
             self._load_error = e
             return
@@ -267,6 +275,8 @@ class EngineLoop:
             outputs = self._timed_step()
             phases = dict(self.engine.phases.seconds)
         self._generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.engine.block_manager.take_events())
         with self._admit_lock:
             self._occupancy = self.engine.occupancy()  # the slots this step freed
             self._publish_counts()

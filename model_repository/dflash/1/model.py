@@ -24,6 +24,7 @@ from dflash_runtime.pipeline import load_pipeline
 from dflash_runtime.step_clock import host_seconds
 from dflash_runtime.verify_length import StepCosts
 from dflash_serving.engine_loop import EngineLoop, EngineStopped, QueueFull
+from dflash_serving.kv_events import kv_event_publisher
 from dflash_serving.logprobs import TokenTexts
 from dflash_serving.metrics import ARRIVAL_INPUT, RequestMetrics, TritonRegistry, front_model
 from dflash_serving.model_args import artifact_path, model_parameters
@@ -67,7 +68,8 @@ class TritonPythonModel:
         reports = queue.SimpleQueue()
         self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put,
                                on_failure=self._engine_failed, progress=progress_signal(),
-                               max_queue_seconds=queue_timeout(), counts=engine_counts())
+                               max_queue_seconds=queue_timeout(), counts=engine_counts(),
+                               kv_events=kv_event_publisher())
         engine = self.loop.engine
         graphs = str(engine.graphs.report) if engine.graphs.capture else "no CUDA graphs"
         pb_utils.Logger.log_info(f"dflash: engine ready on {engine.device}, max batch {engine.scheduler.num_slots}, "

@@ -1,0 +1,210 @@
+"""The prefix cache's changes for a router, in vLLM's KV-cache event format: recorded by the block manager, published
+over ZMQ, decoded here with msgspec structs written from vLLM's own schema (vllm/distributed/kv_events.py, 0.34:
+events as maps tagged by `type` inside a positional batch), for the block manager alone and for a real server."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from deploy.ports import free_ports
+from dflash_runtime.block_manager import BlockManager, CacheEvent
+from dflash_serving import kv_events
+from dflash_serving.kv_events import END_SEQ, KVEventPublisher
+
+
+# --- vLLM's schema, as vllm/distributed/kv_events.py declares it --------------------------------------------------
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    group_idx: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+class Subscriber:
+    """A router's side: SUB on the events, DEALER on the replay socket."""
+
+    def __init__(self, endpoint: str, replay: str | None = None):
+        self.context = zmq.Context()
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.replay_endpoint = replay
+
+    def messages(self, count: int, timeout_ms: int = 10_000) -> list[tuple[bytes, int, KVEventBatch]]:
+        out = []
+        while len(out) < count:
+            assert self.sub.poll(timeout_ms), f"{len(out)} of {count} messages came"  # never a blocking recv
+            topic, seq, payload = self.sub.recv_multipart()
+            out.append((topic, int.from_bytes(seq, "big"), DECODER.decode(payload)))
+        return out
+
+    def replay(self, start: int) -> list[tuple[bytes, int, KVEventBatch]]:
+        dealer = self.context.socket(zmq.DEALER)  # many replies to one request: not a REQ socket's one
+        dealer.connect(self.replay_endpoint)
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        out = []
+        while True:
+            assert dealer.poll(10_000)
+            empty, topic, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                dealer.close(linger=0)
+                return out
+            out.append((topic, int.from_bytes(seq, "big"), DECODER.decode(payload)))
+
+    def close(self):
+        self.context.destroy(linger=0)  # every socket, a replay's left open by a failed assertion too
+
+
+def endpoints() -> tuple[str, str]:
+    events, replay = free_ports(2)
+    return f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}"
+
+
+# --- the block manager's records --------------------------------------------------------------------------------
+
+def test_the_block_manager_records_what_enters_and_leaves_its_cache_once_asked():
+    blocks = BlockManager(num_blocks=1 + 4, block_size=4)
+    table, hashes = [], []
+    blocks.admit(table, hashes, list(range(12)), reserve=12)
+    blocks.cache_full_blocks(table, hashes, list(range(12)), written=8)
+    assert blocks.take_events() == []  # not asked: nothing recorded
+    blocks.record_events()
+    blocks.cache_full_blocks(table, hashes, list(range(12)), written=12)
+    assert blocks.take_events() == [CacheEvent("stored", (hashes[2],), hashes[1], (8, 9, 10, 11))]
+    blocks.release(table)
+    other, other_hashes = [], []
+    blocks.admit(other, other_hashes, [50 + t for t in range(16)], reserve=16)  # needs every block: all evicted
+    assert blocks.take_events() == [CacheEvent("removed", (h,)) for h in reversed(hashes)]  # last freed, first reused
+    blocks.cache_full_blocks(other, other_hashes, [50 + t for t in range(16)], written=16)
+    (stored,) = blocks.take_events()  # one chain of four blocks: one event, as vLLM sends it
+    assert stored == CacheEvent("stored", tuple(other_hashes), None, tuple(50 + t for t in range(16)))
+    blocks.forget()
+    assert blocks.take_events() == [CacheEvent("cleared")] and blocks.take_events() == []
+
+
+def test_published_events_decode_with_vllms_schema_in_order_and_replay(monkeypatch):
+    endpoint, replay = endpoints()
+    publisher = KVEventPublisher(endpoint, replay, "kv@pod-a@smollm2-135m", block_size=4)
+    subscriber = Subscriber(endpoint, replay)
+    try:
+        base = 0  # until the subscription is up, PUB drops messages: probe until one arrives
+        while True:
+            publisher.publish([CacheEvent("cleared")])
+            base += 1
+            if subscriber.sub.poll(200):
+                break
+        time.sleep(0.5)
+        while subscriber.sub.poll(100):  # the probes still on their way
+            subscriber.sub.recv_multipart()
+        steps = [[CacheEvent("stored", (11, 12), None, tuple(range(8)))], [CacheEvent("removed", (11,))],
+                 [CacheEvent("stored", (13,), 12, (8, 9, 10, 11)), CacheEvent("cleared")]]
+        for events in steps:
+            publisher.publish(events)
+        got = subscriber.messages(3)
+        assert [topic for topic, _, _ in got] == [b"kv@pod-a@smollm2-135m"] * 3
+        assert [seq for _, seq, _ in got] == [base, base + 1, base + 2]  # no gaps, counted from the first message
+        first, second, third = (batch.events for _, _, batch in got)
+        assert first == [BlockStored([11, 12], None, list(range(8)), 4, None, "GPU", None)]
+        assert second == [BlockRemoved([11], "GPU")] and third[1] == AllBlocksCleared()
+        assert third[0].parent_block_hash == 12 and all(b.data_parallel_rank is None for _, _, b in got)
+        # a subscriber that missed some asks for them: every buffered message from there, then the end marker
+        replayed = subscriber.replay(base + 1)
+        assert [(seq, batch.events) for _, seq, batch in replayed] == [(base + 1, second), (base + 2, third)]
+        # a publisher whose queue is full drops the step, counts it, and makes the next message begin with a clear
+        monkeypatch.setattr(publisher._queue, "put_nowait", lambda _: (_ for _ in ()).throw(kv_events.queue.Full))
+        publisher.publish([CacheEvent("removed", (13,))])
+        monkeypatch.undo()
+        publisher.publish([CacheEvent("removed", (14,))])
+        (_, seq, batch), = subscriber.messages(1)
+        assert publisher.dropped == 1 and seq == base + 3
+        assert batch.events == [AllBlocksCleared(), BlockRemoved([14], "GPU")]
+    finally:
+        publisher.close()
+        subscriber.close()
+
+
+def test_an_endpoint_in_use_is_refused_when_the_publisher_starts():
+    endpoint, _ = endpoints()
+    first = KVEventPublisher(endpoint, None, "t")
+    try:
+        with pytest.raises(zmq.ZMQError):
+            KVEventPublisher(endpoint, None, "t")
+    finally:
+        first.close()
+
+
+# --- a real server ----------------------------------------------------------------------------------------------
+
+def test_a_conversation_on_a_real_server_is_published_block_by_block(default_build, tmp_path):
+    """Two turns through the server: the stored blocks, each with its parent, hold the conversation's own tokens (the
+    first prompt's whole blocks, the second's, which begins with the first turn), under the topic and the sequence
+    numbers a router expects; nothing is removed on a cache this size; a late subscriber gets it all by replay."""
+    from clients import DFlashClient, GenerationParams
+    from deploy.serve import ready_line, ready_ports, start_server
+    from dflash_runtime.text import encode_prompt, load_tokenizer
+
+    with start_server(default_build / "model_repository", 0, 0, 0, log_path=tmp_path / "server.log",
+                      kv_events_port=0, kv_events_replay_port=0, kv_events_topic="kv@test-pod@smollm2-135m") as server:
+        ports = ready_ports(ready_line(server))
+        subscriber = Subscriber(f"tcp://127.0.0.1:{ports['kv_events']}",
+                                f"tcp://127.0.0.1:{ports['kv_events_replay']}")
+        try:
+            with DFlashClient(server.grpc_url) as client:
+                params = GenerationParams(max_tokens=40, temperature=0)
+                first_prompt = [{"role": "user", "content": SEA}]
+                first = client.generate(first_prompt, params)
+                second_prompt = [*first_prompt, {"role": "assistant", "content": first.text},
+                                 {"role": "user", "content": "And what about the sky above it?"}]
+                assert first.text and client.generate(second_prompt, params).text
+            published = subscriber.replay(0)  # everything since the server started, in order
+        finally:
+            subscriber.close()
+    assert published and [seq for _, seq, _ in published] == list(range(len(published)))
+    assert {topic for topic, _, _ in published} == {b"kv@test-pod@smollm2-135m"}
+    events = [e for _, _, batch in published for e in batch.events]
+    assert all(isinstance(e, BlockStored) and e.block_size == 16 and e.medium == "CPU" for e in events), events
+    prefixes = {None: []}  # block hash -> the tokens from the sequence's start to the block's end
+    for event in events:
+        assert event.parent_block_hash in prefixes and len(event.token_ids) == 16 * len(event.block_hashes)
+        tokens = prefixes[event.parent_block_hash]
+        for i, h in enumerate(event.block_hashes):
+            tokens = prefixes[h] = tokens + event.token_ids[16 * i:16 * (i + 1)]
+    tokenizer = load_tokenizer(default_build / "target")
+    for prompt in (first_prompt, second_prompt):
+        ids = encode_prompt(tokenizer, prompt)
+        assert len(ids) >= 32 and ids[:len(ids) // 16 * 16] in prefixes.values()
+
+
+SEA = ("The sea covers most of the surface of our planet. It holds salt water, currents that carry heat from the "
+       "equator to the poles, and more living things than any forest. Tell me about the sea.")
