@@ -97,6 +97,7 @@ class StepReport:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
+    kv_events_dropped: int = 0  # steps whose prefix-cache events the publisher dropped (kv_events.py)
     # draft source ("drafter", "suffix", "none") -> {"steps", "drafted", "accepted"} (DraftSources.summary)
     draft_sources: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -393,6 +394,7 @@ class EngineLoop:
             prefix_queried_tokens=occupancy.prefix_queried_tokens,
             prefix_hit_tokens=occupancy.prefix_hit_tokens,
             preemptions=occupancy.preemptions,
+            kv_events_dropped=self.kv_events.dropped if self.kv_events is not None else 0,
             draft_sources=self.engine.draft_sources.summary(),
         )
 

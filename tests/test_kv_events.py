@@ -3,16 +3,21 @@ over ZMQ, decoded here with msgspec structs written from vLLM's own schema (vllm
 events as maps tagged by `type` inside a positional batch), for the block manager alone and for a real server."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import msgspec
 import pytest
+import requests
 import zmq
 
 from deploy.ports import free_ports
+from deploy.serve import ready_line, ready_ports, start_server
 from dflash_runtime.block_manager import BlockManager, CacheEvent
 from dflash_serving import kv_events
 from dflash_serving.kv_events import END_SEQ, KVEventPublisher
+
+MODEL = "smollm2-135m"
 
 
 # --- vLLM's schema, as vllm/distributed/kv_events.py declares it --------------------------------------------------
@@ -171,7 +176,6 @@ def test_a_conversation_on_a_real_server_is_published_block_by_block(default_bui
     first prompt's whole blocks, the second's, which begins with the first turn), under the topic and the sequence
     numbers a router expects; nothing is removed on a cache this size; a late subscriber gets it all by replay."""
     from clients import DFlashClient, GenerationParams
-    from deploy.serve import ready_line, ready_ports, start_server
     from dflash_runtime.text import encode_prompt, load_tokenizer
 
     with start_server(default_build / "model_repository", 0, 0, 0, log_path=tmp_path / "server.log",
@@ -208,3 +212,89 @@ def test_a_conversation_on_a_real_server_is_published_block_by_block(default_bui
 
 SEA = ("The sea covers most of the surface of our planet. It holds salt water, currents that carry heat from the "
        "equator to the poles, and more living things than any forest. Tell me about the sea.")
+
+
+class PrefixRouter:
+    """The endpoint picker's prefix rule, in a test: a request goes to the replica whose prefix cache, as its events
+    tell, holds the longest run of the request's whole blocks; on a tie, to the one with the shorter queue (its
+    gateway's vllm:num_requests_waiting). The token ids come from a render endpoint: no tokenizer here."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas
+        self.events = [f"tcp://127.0.0.1:{ready_ports(ready_line(r))['kv_events_replay']}" for r in replicas]
+
+    def cached_prefixes(self, replica: int) -> set[tuple[int, ...]]:
+        """Every token prefix, in whole blocks, the replica's cache holds: its events since it started (a replay),
+        stored blocks chained to their parents, removed ones dropped."""
+        subscriber = Subscriber("tcp://127.0.0.1:1", self.events[replica])  # only the replay socket is used
+        try:
+            batches = [batch for _, _, batch in subscriber.replay(0)]
+        finally:
+            subscriber.close()
+        prefixes = {None: ()}
+        for event in (e for batch in batches for e in batch.events):
+            if isinstance(event, AllBlocksCleared):
+                prefixes = {None: ()}
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    prefixes.pop(h, None)
+            elif event.parent_block_hash in prefixes:
+                tokens = prefixes[event.parent_block_hash]
+                for i, h in enumerate(event.block_hashes):
+                    tokens = prefixes[h] = tokens + tuple(event.token_ids[16 * i:16 * (i + 1)])
+        return set(prefixes.values())
+
+    def pick(self, messages: list[dict]) -> tuple[int, int]:
+        """(the replica, the tokens of the request's prefix its cache holds)."""
+        url = self.replicas[0].gateway.url
+        ids = tuple(requests.post(f"{url}/v1/chat/completions/render", json={"model": MODEL, "messages": messages},
+                                  timeout=60).json()["token_ids"])
+
+        def score(replica: int) -> tuple[int, float]:
+            held = self.cached_prefixes(replica)
+            matched = max((k for k in range(0, len(ids) // 16 + 1) if ids[:16 * k] in held), default=0)
+            waiting = scrape_waiting(self.replicas[replica].gateway.url)
+            return matched, -waiting
+
+        best = max(range(len(self.replicas)), key=score)
+        return best, 16 * score(best)[0]
+
+
+def scrape_waiting(url: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_waiting{"))
+
+
+def test_a_second_turn_routed_by_prefix_lands_on_the_replica_that_holds_its_history(default_build, tmp_path):
+    """Two replicas of the embedded default on loopback: a conversation's first turn goes to one of them (both empty:
+    the queue decides); routed by the events, its second turn goes to the same one, where the prefix cache covers its
+    history; sent to the other replica, the same turn finds nothing cached."""
+    with contextlib.ExitStack() as stack:
+        replicas = [stack.enter_context(start_server(
+            default_build / "model_repository", 0, 0, 0, log_path=tmp_path / f"server-{i}.log", openai_port=0,
+            kv_events_port=0, kv_events_replay_port=0, kv_events_topic=f"kv@replica-{i}@{MODEL}")) for i in range(2)]
+        router = PrefixRouter(replicas)
+        conversation = [{"role": "user", "content": SEA}]
+        first, nothing = router.pick(conversation)
+        answer = chat(replicas[first], conversation)
+        conversation += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And what about the sky above it?"}]
+        deadline = time.monotonic() + 30
+        while not router.cached_prefixes(first) - {()} and time.monotonic() < deadline:  # the events are on their way
+            time.sleep(0.2)
+        second, held = router.pick(conversation)
+        routed, elsewhere = chat(replicas[second], conversation), chat(replicas[1 - second], conversation)
+    assert nothing == 0 and second == first
+    usage = routed["usage"]  # all the whole blocks of its history the events promised (74 % of it here)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == held >= 0.7 * usage["prompt_tokens"], usage
+    assert elsewhere["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    print(f"second turn: {usage['prompt_tokens_details']['cached_tokens']} of {usage['prompt_tokens']} prompt tokens "
+          f"cached on the routed replica, 0 on the other")
+
+
+def chat(server, messages: list[dict]) -> dict:
+    reply = requests.post(f"{server.gateway.url}/v1/chat/completions",
+                          json={"model": MODEL, "messages": messages, "max_tokens": 40, "temperature": 0}, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()

@@ -260,7 +260,10 @@ class EngineMetrics:
         self.prefix_hits = family("dflash_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache", C)
         self.preemptions = family("dflash_preemptions_total", "Sequences preempted for KV blocks (requeued and "
                                   "recomputed, output unchanged)", C)
-        self.totals = {"prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0}  # reported so far
+        self.kv_events_dropped = family("dflash_kv_events_dropped_total", "Engine steps whose prefix-cache events "
+                                        "were dropped, the publisher's queue full (dflash-serve --kv-events-port)", C)
+        self.totals = {"prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0,  # reported so far
+                       "kv_events_dropped": 0}
         # by draft source (a label), for each count of StepReport.draft_sources
         self.source_families = {count: pb_utils.MetricFamily(name, description, C) for count, name, description in (
             ("steps", "dflash_draft_steps_total", "Sequence steps by draft source: drafter (the DFlash drafter's "
@@ -299,7 +302,7 @@ class EngineMetrics:
         self.kv_blocks_used.set(report.kv_blocks_used)
         self.kv_blocks_free.set(report.kv_blocks_free)
         for name, counter in (("prefix_queried_tokens", self.prefix_queried), ("prefix_hit_tokens", self.prefix_hits),
-                              ("preemptions", self.preemptions)):
+                              ("preemptions", self.preemptions), ("kv_events_dropped", self.kv_events_dropped)):
             total = getattr(report, name)
             if total > self.totals[name]:
                 counter.increment(total - self.totals[name])
