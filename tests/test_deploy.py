@@ -258,6 +258,8 @@ def test_every_rendering_renders_the_whole_deployment(rendered):
                     "Pod", "PodDisruptionBudget", "Service", "Service", "Service", "ServiceAccount"]
         if r.values["monitoring"]["enabled"]:
             expected += ["PrometheusRule", "ServiceMonitor"]
+            if r.values["monitoring"]["grafanaDashboard"]["enabled"]:
+                expected.append("ConfigMap")  # the dashboard (test_metrics checks its queries)
         if r.values["autoscaling"]["enabled"]:
             expected.append("HorizontalPodAutoscaler")
         if r.values["training"]["data"]["enabled"]:

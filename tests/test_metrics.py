@@ -423,3 +423,29 @@ def test_the_prometheus_rule_names_only_metrics_and_labels_the_servers_export(se
     for alert, key in (("DFlashRequestsRefused", "refusedRatio"), ("DFlashRequestsInvalid", "invalidRatio"),
                        ("DFlashRequestsFailing", "failedRatio")):
         assert alerts[alert]["expr"].endswith(f"> {defaults[key]}"), alerts[alert]["expr"]
+
+
+def test_the_grafana_dashboard_charts_only_what_the_servers_export(served):
+    """The chart's dashboard, as rendered, for Grafana's sidecar: every panel's query names series a server exports
+    (the engine's, the requests', the gateway's, the router protocol's), and the panels the issue asks for are there."""
+    with helm_python.Chart.load(CHART) as chart:
+        out = chart.render({"image": {"digest": "sha256:" + "ab" * 32}}, name="dflash", namespace="dflash")
+    (config_map,) = [doc for doc in yaml.safe_load_all(out["dflash/templates/grafana-dashboard.yaml"]) if doc]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (dashboard,) = [json.loads(text) for text in config_map["data"].values()]
+    # a request first: the counters by draft source exist from a source's first step
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    assert requests.post(f"{served.server.gateway.url}/v1/chat/completions", json=body, timeout=120).status_code == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "dflash_draft_tokens_total" not in {name for name, _ in served.snapshot()}:
+        time.sleep(0.2)
+    exported = {name for name, _ in served.snapshot()} | {name for name, _ in scrape(served.gateway_metrics)}
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            names = series_names(target["expr"])
+            assert names and names <= exported, (panel["title"], names - exported)
+            used |= names
+    assert {"dflash_generated_tokens_total", "dflash_time_to_first_token_seconds_bucket", "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc", "dflash_prefix_cache_hit_tokens_total",
+            "dflash_accepted_draft_tokens_total"} <= used
