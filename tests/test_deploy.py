@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import helm_python
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -38,7 +39,7 @@ from dflash_contract.presets import PRESETS
 from dflash_contract.server import (GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH, LIVE_PATH, METRICS_PATH,
                                     OPENAI_API_KEY_ENV, PORTS, READY_PATH, SHUTDOWN_SECONDS)
 from dflash_training import drafter_data, train_drafter
-from gateway.protocol_metrics import ENGINE_TYPE, ENGINE_TYPE_LABEL
+from gateway.protocol_metrics import ENGINE_TYPE, ENGINE_TYPE_LABEL, WAITING
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy/helm/dflash"
@@ -66,10 +67,15 @@ RENDERINGS = {"default": ([], []),
                                 "network.clientNamespaces={chat-frontend}"]),
               "training-gpu": ([], ["training.data.enabled=true", "training.train.enabled=true", "training.train.args="
                                     "{--device,cuda,--dtype,bfloat16,--shard-target,--tau-prompts,0}"]),
-              "training-cpu": ([VALUES_FILES["cpu"]], TRAINING_HERE)}
+              "training-cpu": ([VALUES_FILES["cpu"]], TRAINING_HERE),
+              # behind the Inference Gateway, its proxy in another namespace, scaled by KEDA on the engine's queue
+              "inference-pool": ([], ["inferencePool.enabled=true", f"inferencePool.picker.digest={DIGEST}",
+                                      "inferencePool.gateway.namespace=gateways", "network.clientNamespaces={gateways}",
+                                      "autoscaling.enabled=false", "autoscaling.keda.enabled=true"])}
 # Kubernetes' IsValidPortName: a named container port (and a targetPort by name) is an IANA_SVC_NAME
 IANA_SVC_NAME = re.compile(r"(?=.{1,15}$)(?=[-a-z0-9]*[a-z])(?!.*--)[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "InferencePool", "HTTPRoute", "ScaledObject"}
+CRDS = REPO / "tests/fixtures/crds"  # the optional objects' CRDs as upstream publishes them (its README)
 OLDEST_KUBERNETES = "1.29.0"  # the oldest release the chart is written for (Chart.yaml kubeVersion)
 CHECKOV = REPO / ".venv" / "tools" / "bin" / "checkov"  # its own venv: see the Makefile
 DOCKERFILES = {"gpu": REPO / "deploy/docker/Dockerfile", "cpu": REPO / "deploy/docker/Dockerfile.cpu"}
@@ -110,7 +116,10 @@ class Rendered:
     notes: str
 
     def one(self, kind: str, name: str | None = None) -> dict:
-        found = [o for o in self.objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+        """The object of a kind (by name where there are several); without a name, the endpoint picker's objects
+        (an InferencePool's: a Deployment, a ServiceAccount of their own) are not counted."""
+        found = [o for o in self.objects if o["kind"] == kind and (o["metadata"]["name"] == name if name else
+                 o["metadata"]["labels"]["app.kubernetes.io/component"] != "picker")]
         assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
         return found[0]
 
@@ -262,6 +271,11 @@ def test_every_rendering_renders_the_whole_deployment(rendered):
                 expected.append("ConfigMap")  # the dashboard (test_metrics checks its queries)
         if r.values["autoscaling"]["enabled"]:
             expected.append("HorizontalPodAutoscaler")
+        if r.values["autoscaling"]["keda"]["enabled"]:
+            expected.append("ScaledObject")
+        if r.values["inferencePool"]["enabled"]:  # the pool, its route, and the endpoint picker with its access
+            expected += ["InferencePool", "HTTPRoute", "ServiceAccount", "Role", "RoleBinding", "ConfigMap",
+                         "Deployment", "Service", "NetworkPolicy"]
         if r.values["training"]["data"]["enabled"]:
             expected += ["Job", "NetworkPolicy"]
         if r.values["training"]["train"]["enabled"]:
@@ -357,7 +371,7 @@ def test_monitoring_objects_fit_the_services_the_hpa_and_the_adapter(rendered):
             used = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
             assert used <= served.keys(), name
             assert "replicas" not in r.one("Deployment")["spec"]  # the HPA owns the replica count
-        else:
+        elif not r.values["autoscaling"]["keda"]["enabled"]:  # KEDA's HPA would own it too
             assert r.one("Deployment")["spec"]["replicas"] == r.values["server"]["replicas"]
         if not r.values["monitoring"]["enabled"]:
             continue
@@ -385,6 +399,75 @@ def test_monitoring_objects_fit_the_services_the_hpa_and_the_adapter(rendered):
         assert served["dflash_queue_time_us_per_request"] == QUEUE_TIME_RECORD
         alert = next(e for e in group["rules"] if e.get("alert") == "DFlashQueueTimeHigh")
         assert alert["expr"].endswith(f"> {2 * round(r.values['autoscaling']['queueTimeTargetMs'] * 1000)}")
+
+
+# --- behind the Inference Gateway: the pool, its endpoint picker, the route, KEDA -----------------------------------
+
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> the CRD's openAPIV3Schema, made strict: an unknown field is refused, as `kubectl apply
+    --validate=strict` refuses it (a CRD's server would prune it silently)."""
+    def strict(schema):
+        if isinstance(schema, dict):
+            if "properties" in schema and "additionalProperties" not in schema \
+                    and not schema.get("x-kubernetes-preserve-unknown-fields"):
+                schema = {**schema, "additionalProperties": False}
+            return {key: strict(value) for key, value in schema.items()}
+        return [strict(item) for item in schema] if isinstance(schema, list) else schema
+
+    schemas = {}
+    for path in CRDS.glob("*.yaml"):
+        for crd in yaml.safe_load_all(path.read_text()):
+            for version in crd["spec"]["versions"]:
+                api = f"{crd['spec']['group']}/{version['name']}"
+                schemas[api, crd["spec"]["names"]["kind"]] = strict(version["schema"]["openAPIV3Schema"])
+    return schemas
+
+
+def crd_errors(obj: dict, schemas: dict) -> list[str]:
+    validator = jsonschema.Draft7Validator(schemas[obj["apiVersion"], obj["kind"]])
+    return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+def test_the_pool_the_route_and_the_scaled_object_validate_against_their_crds(rendered):
+    schemas = crd_schemas()
+    checked = set()
+    for name, r in rendered.items():
+        for obj in r.objects:
+            if obj["kind"] in ("InferencePool", "HTTPRoute", "ScaledObject"):
+                assert not crd_errors(obj, schemas), (name, obj["kind"], crd_errors(obj, schemas))
+                checked.add(obj["kind"])
+    assert checked == {"InferencePool", "HTTPRoute", "ScaledObject"}
+    pool = rendered["inference-pool"].one("InferencePool")  # not vacuous: a misspelt field is refused
+    misspelt = copy.deepcopy(pool)
+    misspelt["spec"]["targetPort"] = misspelt["spec"].pop("targetPorts")
+    assert any("targetPort" in e for e in crd_errors(misspelt, schemas))
+
+
+def test_the_pool_routes_to_the_servers_openai_port_and_its_picker_reads_their_metrics(rendered):
+    r = rendered["inference-pool"]
+    pool, route, server = r.one("InferencePool"), r.one("HTTPRoute"), r.one("Deployment")
+    assert pool["spec"]["selector"]["matchLabels"] == server["spec"]["selector"]["matchLabels"]
+    assert pool["spec"]["targetPorts"] == [{"number": PORTS["openai"]}]
+    (backend,) = route["spec"]["rules"][0]["backendRefs"]
+    assert (backend["kind"], backend["name"]) == ("InferencePool", pool["metadata"]["name"])
+    assert route["spec"]["parentRefs"][0]["namespace"] == "gateways"
+    picker_name = pool["spec"]["endpointPickerRef"]["name"]
+    service, picker = r.one("Service", picker_name), r.one("Deployment", picker_name)
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] in [p["port"] for p in service["spec"]["ports"]]
+    assert service["spec"]["selector"].items() <= picker["spec"]["template"]["metadata"]["labels"].items()
+    (container,) = picker["spec"]["template"]["spec"]["containers"]
+    assert f"--pool-name={pool['metadata']['name']}" in container["args"] and container["image"].endswith(DIGEST)
+    config = yaml.safe_load(r.one("ConfigMap", picker_name)["data"]["config.yaml"])
+    source = next(p for p in config["plugins"] if p["type"] == "metrics-data-source")
+    assert source["parameters"]["path"] == GATEWAY_METRICS_PATH  # where the gateway serves the vllm:* gauges
+    weights = {p["pluginRef"]: p["weight"] for p in config["schedulingProfiles"][0]["plugins"]}
+    assert weights == {"queue-scorer": 2, "kv-cache-utilization-scorer": 2, "prefix-cache-scorer": 3}
+    role = r.one("Role", picker_name)
+    assert {"pods", "inferencepools"} <= {res for rule in role["rules"] for res in rule["resources"]}
+    # KEDA scales on the waiting requests the gateways serve, and owns the replica count
+    (trigger,) = r.one("ScaledObject")["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and f"{WAITING}{{" in trigger["metadata"]["query"]
+    assert "replicas" not in server["spec"] and not r.all("HorizontalPodAutoscaler")
 
 
 # --- checkov --------------------------------------------------------------------------------------
@@ -439,8 +522,8 @@ def test_ports_and_probes_are_the_launchers(rendered):
         assert pre_stop == r.values["server"]["preStopSeconds"]
         assert pod["terminationGracePeriodSeconds"] > pre_stop + SHUTDOWN_SECONDS, name
         for service in r.all("Service"):
-            if service["metadata"]["labels"]["app.kubernetes.io/component"] == "train":
-                continue  # the training pods' names and rendezvous: test_the_training_job_is_one_torchrun_rendezvous...
+            if service["metadata"]["labels"]["app.kubernetes.io/component"] in ("train", "picker"):
+                continue  # the training pods' rendezvous (test_the_training_job_is_...), the endpoint picker's ports
             for port in service["spec"]["ports"]:
                 assert port["targetPort"] == port["name"] and port["port"] == PORTS[port["name"]]
             assert service["spec"]["selector"].items() <= pod_labels(r).items()
@@ -929,6 +1012,15 @@ BAD_VALUES = [
     (["training.data.enabled=true", "training.run=responses-v1"], "training.responses and training.run are both"),
     (["training.run=Drafter_V1"], "/training/run"),
     (["training.data.enable=true"], "additional properties 'enable' not allowed"),
+    (["autoscaling.keda.enabled=true"], "autoscaling.enabled and autoscaling.keda.enabled are both on"),
+    (["autoscaling.enabled=false", "autoscaling.keda.enabled=true", "monitoring.enabled=false"],
+     "autoscaling.keda.enabled reads the engine's queue from Prometheus"),
+    (["inferencePool.enabled=true", "inferencePool.gateway.namespace=gateways"],
+     "inferencePool.gateway.namespace gateways is not in network.clientNamespaces"),
+    (["inferencePool.enabled=true", "inferencePool.picker.weights.queue=0", "inferencePool.picker.weights.prefixCache=0",
+      "inferencePool.picker.weights.kvCacheUtilization=0"], "inferencePool.picker.weights are all 0"),
+    (["inferencePool.picker.failureMode=FailSometimes"], "/inferencePool/picker/failureMode"),
+    (["inferencePool.picker.digest=latest"], "/inferencePool/picker/digest"),
 ]
 
 

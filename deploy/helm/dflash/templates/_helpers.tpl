@@ -170,3 +170,8 @@ The build Job's flags: from model.* and server.*, then build.args (checked in df
 {{- range .Values.build.args }}{{ $args = append $args (toString .) }}{{ end }}
 {{- toJson $args }}
 {{- end }}
+
+{{/* The endpoint picker's ext-proc port, where the Inference Gateway asks it for a pod (its default, 9002). */}}
+{{- define "dflash.pickerGrpcPort" -}}
+9002
+{{- end }}

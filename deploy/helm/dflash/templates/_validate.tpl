@@ -12,7 +12,7 @@ Each refusal names the value. Included once, by deployment.yaml (always rendered
 {{- end }}
 
 {{- define "dflash.maxReplicas" -}}
-{{- if .Values.autoscaling.enabled }}{{ .Values.autoscaling.maxReplicas }}{{ else }}{{ .Values.server.replicas }}{{ end }}
+{{- if or .Values.autoscaling.enabled .Values.autoscaling.keda.enabled }}{{ .Values.autoscaling.maxReplicas }}{{ else }}{{ .Values.server.replicas }}{{ end }}
 {{- end }}
 
 {{/*
@@ -179,7 +179,20 @@ folder under /models or a hub id, are the schema's).
 {{- if and (eq (int $v.server.maxSurge) 0) (eq (int $v.server.maxUnavailable) 0) }}
 {{- fail "server.maxSurge and server.maxUnavailable are both 0: a rolling update could never replace a pod (maxSurge 1 needs a spare pod's GPUs; maxUnavailable 1 serves one pod short)" }}
 {{- end }}
-{{- if $v.autoscaling.enabled }}
+{{- if and $v.autoscaling.enabled $v.autoscaling.keda.enabled }}
+{{- fail "autoscaling.enabled and autoscaling.keda.enabled are both on: KEDA makes an HPA of its own for the Deployment, and two HPAs fight over its replicas. Turn autoscaling.enabled off to scale with KEDA" }}
+{{- end }}
+{{- if and $v.autoscaling.keda.enabled (not $v.monitoring.enabled) }}
+{{- fail "autoscaling.keda.enabled reads the engine's queue from Prometheus, which scrapes it through the ServiceMonitor: turn monitoring.enabled on" }}
+{{- end }}
+{{- $gatewayNamespace := $v.inferencePool.gateway.namespace }}
+{{- if and $v.inferencePool.enabled $gatewayNamespace (ne $gatewayNamespace .Release.Namespace) (not (has $gatewayNamespace $v.network.clientNamespaces)) }}
+{{- fail (printf "inferencePool.gateway.namespace %s is not in network.clientNamespaces: the NetworkPolicy would keep the gateway's proxy from the pods; add it" $gatewayNamespace) }}
+{{- end }}
+{{- if and $v.inferencePool.enabled (not (or $v.inferencePool.picker.weights.queue $v.inferencePool.picker.weights.kvCacheUtilization $v.inferencePool.picker.weights.prefixCache)) }}
+{{- fail "inferencePool.picker.weights are all 0: the endpoint picker would score every pod alike" }}
+{{- end }}
+{{- if or $v.autoscaling.enabled $v.autoscaling.keda.enabled }}
 {{- if eq (int $v.server.replicas) 0 }}
 {{- fail "server.replicas is 0 but autoscaling is enabled: the HPA would scale it straight back to autoscaling.minReplicas. To stop serving, set autoscaling.enabled: false" }}
 {{- end }}
