@@ -24,8 +24,8 @@ from dflash_runtime.sampling import SamplingParams, SamplingStats
 from dflash_runtime.scheduler import Occupancy
 from dflash_runtime.sequence import Sequence, Status
 
-from .kv_events import KVEventPublisher
 from .detokenize import token_window
+from .kv_events import KVEventPublisher
 
 
 CANCEL_CHECK_SECONDS = 0.25
