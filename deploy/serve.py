@@ -36,7 +36,7 @@ from dflash_contract.versions import version_warning
 
 from .ports import PortError, pick_ports
 from .server_process import (ANY_ADDRESS, COUNTS_FILE, DRAIN_FILE, FAILURE_FILE, PROGRESS_FILE, ServeError,
-                             TritonServer, backend_processes, bundled_server, say, start_gateway)
+                             TritonServer, backend_processes, bundled_server, reachable, say, start_gateway)
 
 # The NGC image nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 ships TensorRT-LLM's LLM-API Triton
 # model code (model.py + helpers.py, matched to the tensorrt_llm inside the image) here. A `--runtime
@@ -179,11 +179,12 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
 
 def _ports(wanted: dict[str, int], host: str) -> dict[str, int]:
     """Every port at once, before anything loads: a busy one is refused now, not after the models (0: a free one)."""
+    flags = {name: f"--{name.replace('_', '-')}-port" for name in wanted}  # how a refusal names each
     try:
-        picked = pick_ports({f"--{name.replace('_', '-')}-port": port for name, port in wanted.items()}, host)
+        picked = pick_ports({flags[name]: port for name, port in wanted.items()}, host)
     except PortError as e:
         raise ServeError(str(e)) from None
-    return {name: picked[f"--{name.replace('_', '-')}-port"] for name in wanted}
+    return {name: picked[flags[name]] for name in wanted}
 
 
 def _model_environment(runtime: Path, drain_seconds: float, queue_timeout: float) -> dict[str, str]:
@@ -197,7 +198,7 @@ def _model_environment(runtime: Path, drain_seconds: float, queue_timeout: float
 
 def _kv_events_environment(ports: dict[str, int], host: str, topic: str) -> dict[str, str]:
     """Where the dflash model publishes the prefix cache's changes (ZMQ endpoints; `*`: every interface)."""
-    address = "*" if host in (ANY_ADDRESS, "::", "") else f"[{host}]" if ":" in host else host
+    address = reachable(host, every_interface="*")
     env = {KV_EVENTS_ENDPOINT_ENV: f"tcp://{address}:{ports['kv_events']}", KV_EVENTS_TOPIC_ENV: topic}
     if "kv_events_replay" in ports:
         env[KV_EVENTS_REPLAY_ENV] = f"tcp://{address}:{ports['kv_events_replay']}"
@@ -235,7 +236,7 @@ def _tritonserver_command(repository: Path, runtime: Path, env: dict[str, str], 
 def ready_line(server: TritonServer) -> str:
     """stdout's first line once serving: where each door listens (port 0 picked a free one)."""
     openai = f"  openai {server.gateway.url}/v1" if server.gateway else ""
-    events = "".join(f"  {name} tcp://{server.grpc_url.rsplit(':', 1)[0]}:{server.ports[name]}"
+    events = "".join(f"  {name} tcp://{reachable(server.host)}:{server.ports[name]}"
                      for name in ("kv_events", "kv_events_replay") if name in server.ports)
     return f"ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}{openai}{events}"
 

@@ -203,7 +203,7 @@ def start_gateway(grpc_url: str, model_id: str, port: int, api_key: str | None, 
     threading.Thread(target=lambda: [print(out, end="", file=sys.stderr, flush=True) for out in process.stdout],
                      daemon=True).start()
     bound_port = int(line.split("listening on http://", 1)[1].split()[0].rsplit(":", 1)[1])
-    gateway = Gateway(process, f"http://{_reachable(host)}:{bound_port}")
+    gateway = Gateway(process, f"http://{reachable(host)}:{bound_port}")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and gateway.alive():
         try:
@@ -235,15 +235,15 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"{_reachable(self.host)}:{self.ports['http']}"
+        return f"{reachable(self.host)}:{self.ports['http']}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{_reachable(self.host)}:{self.ports['grpc']}"
+        return f"{reachable(self.host)}:{self.ports['grpc']}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{_reachable(self.host)}:{self.ports['metrics']}{METRICS_PATH}"
+        return f"http://{reachable(self.host)}:{self.ports['metrics']}{METRICS_PATH}"
 
     @property
     def failure_file(self) -> Path:
@@ -397,6 +397,6 @@ def say(message: str) -> None:
     print(f"dflash-serve: {message}", file=sys.stderr, flush=True)
 
 
-def _reachable(host: str) -> str:
-    """Where this machine reaches a server bound to `host`."""
-    return "localhost" if host in (ANY_ADDRESS, "::", "") else f"[{host}]" if ":" in host else host
+def reachable(host: str, every_interface: str = "localhost") -> str:
+    """Where this machine reaches a server bound to `host` (an address of every interface: `every_interface`)."""
+    return every_interface if host in (ANY_ADDRESS, "::", "") else f"[{host}]" if ":" in host else host

@@ -98,8 +98,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def chat(request: Request):
         started = time.monotonic()
         _authorize(request, settings.api_key)
-        t = api.chat_request(await _json_body(request, settings.max_body_bytes), settings.model_id,
-                             settings.default_max_tokens, settings.reasoning_parser)
+        t = _translated(settings, await _json_body(request, settings.max_body_bytes), chat=True)
         return await _answer(request, transport["grpc"], t, settings.model_id, chat=True,
                              first_text=FirstText(metrics, CHAT_PATH, started))
 
@@ -107,12 +106,19 @@ def create_app(settings: Settings) -> FastAPI:
     async def completions(request: Request):
         started = time.monotonic()
         _authorize(request, settings.api_key)
-        t = api.completion_request(await _json_body(request, settings.max_body_bytes), settings.model_id)
+        t = _translated(settings, await _json_body(request, settings.max_body_bytes), chat=False)
         return await _answer(request, transport["grpc"], t, settings.model_id, chat=False,
                              first_text=FirstText(metrics, COMPLETIONS_PATH, started))
 
     _add_render_endpoints(app, settings, transport)
     return app
+
+
+def _translated(settings: Settings, body: object, chat: bool) -> api.Translated:
+    """A chat or completion request's body, checked and translated with this server's settings."""
+    if chat:
+        return api.chat_request(body, settings.model_id, settings.default_max_tokens, settings.reasoning_parser)
+    return api.completion_request(body, settings.model_id)
 
 
 def _add_render_endpoints(app: FastAPI, settings: Settings, transport: dict[str, GrpcTransport]) -> None:
@@ -121,9 +127,7 @@ def _add_render_endpoints(app: FastAPI, settings: Settings, transport: dict[str,
     generate, by the gateway and by the server's preprocessing, which tokenizes it; nothing is decoded."""
     async def render(request: Request, chat: bool):
         _authorize(request, settings.api_key)
-        body = await _json_body(request, settings.max_body_bytes)
-        t = (api.chat_request(body, settings.model_id, settings.default_max_tokens, settings.reasoning_parser) if chat
-             else api.completion_request(body, settings.model_id))
+        t = _translated(settings, await _json_body(request, settings.max_body_bytes), chat)
         try:
             token_ids = await transport["grpc"].prompt_token_ids(t.request)
         except DFlashClientError as e:
