@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dflash_contract import DFlashError
 from dflash_contract.engine_counts import ENGINE_COUNTS_FILE_ENV, EngineCounts
-from dflash_contract.layout import read_manifest, resolve_in_build
+from dflash_contract.layout import SERVED_MODEL_NAME_ENV, read_manifest, resolve_in_build, served_name
 from dflash_contract.protocol import range_error
 from dflash_contract.server import (DRAIN_FILE_ENV, DRAIN_SECONDS, DRAIN_SECONDS_ENV, DRAIN_SLACK_S, EXIT_TIMEOUT_S,
                                     FAILURE_FILE_ENV, HANG_FLOOR_SECONDS, HANG_STEP_MULTIPLE, HEALTH_CHECK_SECONDS,
@@ -44,15 +44,6 @@ from .server_process import (ANY_ADDRESS, COUNTS_FILE, DRAIN_FILE, FAILURE_FILE,
 # stage_trtllm_repository), so the code always matches the installed library.
 TRTLLM_MODEL_CODE = Path("/app/all_models/llmapi/tensorrt_llm/1")
 TRTLLM_MODEL = "tensorrt_llm"
-
-
-def model_id(repository: Path) -> str:
-    """The id the gateway serves the build under: the target preset's name, else the target directory's name
-    (from the build's manifest, beside the repository); without one, the build folder's name."""
-    try:
-        return read_manifest(repository.parent).model_id
-    except DFlashError:
-        return repository.parent.name
 
 
 def build_reasoning_parser(repository: Path) -> str | None:
@@ -128,9 +119,9 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
                  kv_events_port: int | None = None, kv_events_replay_port: int | None = None,
                  kv_events_topic: str | None = None) -> TritonServer:
     """Start tritonserver on `repository` and wait until it is ready, then the OpenAI gateway on openai_port
-    (None: no gateway), serving the model as served_model_name (None: the build's target, model_id). Port 0 picks a
-    free port. A dflash engine step running longer than max(HANG_STEP_MULTIPLE x its usual cost, hang_seconds)
-    makes the server unhealthy; a request waiting longer than queue_timeout for a slot is refused (0: no bound).
+    (None: no gateway), serving the model as served_model_name (None: the build's, layout.served_name): the OpenAI
+    API's model id and the metrics' model_name label. Port 0 picks a free port. A dflash engine step running longer
+    than max(HANG_STEP_MULTIPLE x its usual cost, hang_seconds) makes the server unhealthy; a request waiting longer than queue_timeout for a slot is refused (0: no bound).
     kv_events_port: publish the prefix cache's changes there (ZMQ PUB, dflash_serving/kv_events.py; None: not at
     all), replays on kv_events_replay_port, under kv_events_topic (default kv@<host name>@<served model>). Every port
     is bound to `host`."""
@@ -142,7 +133,7 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
                     **{name: port for name, port in optional.items() if port is not None}}, host)
     runtime = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
     # from the build beside the repository, not the staged copy's runtime folder
-    served_id, target_dir = served_model_name or model_id(repository), gateway_target_dir(repository)
+    served_id, target_dir = served_model_name or served_name(repository), gateway_target_dir(repository)
     try:
         repository = stage_trtllm_repository(repository, runtime, Path(trtllm_model_code))
     except BaseException:
@@ -150,7 +141,7 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
         raise
     progress = StepProgress.create(runtime / PROGRESS_FILE)  # all zeros: no step running, until the engine's first
     EngineCounts.create(runtime / COUNTS_FILE)  # none until the engine's first: the gateway serves no counts yet
-    env = _model_environment(runtime, drain_seconds, queue_timeout)
+    env = _model_environment(runtime, drain_seconds, queue_timeout, served_id)
     if kv_events_port is not None:
         env.update(_kv_events_environment(ports, host, kv_events_topic or f"kv@{socket.gethostname()}@{served_id}"))
     command = _tritonserver_command(repository, runtime, env, ports, host, log_verbose)
@@ -187,11 +178,13 @@ def _ports(wanted: dict[str, int], host: str) -> dict[str, int]:
     return {name: picked[flags[name]] for name in wanted}
 
 
-def _model_environment(runtime: Path, drain_seconds: float, queue_timeout: float) -> dict[str, str]:
-    """The models' environment: where this launcher and they signal each other (dflash_contract.server)."""
+def _model_environment(runtime: Path, drain_seconds: float, queue_timeout: float, served_id: str) -> dict[str, str]:
+    """The models' environment: where this launcher and they signal each other (dflash_contract.server), and the
+    name their metrics label the model with."""
     env = {**os.environ, DRAIN_FILE_ENV: str(runtime / DRAIN_FILE), DRAIN_SECONDS_ENV: str(drain_seconds),
            FAILURE_FILE_ENV: str(runtime / FAILURE_FILE), PROGRESS_FILE_ENV: str(runtime / PROGRESS_FILE),
-           QUEUE_TIMEOUT_ENV: str(queue_timeout), ENGINE_COUNTS_FILE_ENV: str(runtime / COUNTS_FILE)}
+           QUEUE_TIMEOUT_ENV: str(queue_timeout), ENGINE_COUNTS_FILE_ENV: str(runtime / COUNTS_FILE),
+           SERVED_MODEL_NAME_ENV: served_id}
     env.pop(OPENAI_API_KEY_ENV, None)  # the gateway's alone: the models' processes have no use for it
     return env
 
@@ -333,8 +326,9 @@ def _add_kv_events_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-events-replay-port", type=int,
                        help="with --kv-events-port: answer replay requests there (ZMQ ROUTER, vLLM's replay)")
     group.add_argument("--kv-events-topic",
-                       help="with --kv-events-port: the messages' topic (default: kv@<host name>@<served model>, "
-                            "llm-d's form; a pod passes kv@$(POD_IP)@<model>)")
+                       help="with --kv-events-port: the messages' topic (default: kv@<host name>@<served model>; "
+                            "llm-d's picker (v0.7 and later) names a pod kv@<pod IP>:<the port it routes to>@<model>, "
+                            "which the chart passes)")
 
 
 def main(argv: list[str] | None = None) -> int:

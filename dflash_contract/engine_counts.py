@@ -1,7 +1,8 @@
 """The engine's counts that a router reads from every replica: requests running and waiting, KV blocks used and held,
-prompt and generated tokens, shared between the engine loop (in the dflash model's process, which writes them) and the
-OpenAI gateway (another process, which serves them on its /metrics in the dialect of the Kubernetes Inference
-Gateway's endpoint picker: gateway/protocol_metrics.py).
+prompt and generated tokens (and its context, which the gateway's render endpoints check prompts against), shared
+between the engine loop (in the dflash model's process, which writes them) and the OpenAI gateway (another process,
+which serves them on its /metrics in the dialect of the Kubernetes Inference Gateway's endpoint picker:
+gateway/protocol_metrics.py).
 
 Why a mapped file and not the models' Triton metrics: the picker scrapes the port it routes to (the gateway's), and
 reads queue depth to choose a replica, so a figure must be the engine's own as of its last change, not a copy that
@@ -32,6 +33,7 @@ class Counts:
     block_size: int  # tokens per KV block
     prompt_tokens: int  # since the engine started: prompt tokens of the requests its queue took
     generation_tokens: int  # since the engine started
+    max_context: int  # tokens a sequence may hold, prompt and output (what a render request is checked against)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -40,7 +42,7 @@ class Counts:
 
 
 class EngineCounts:
-    FORMAT = "<Q7q"  # the sequence number, then Counts' fields in order
+    FORMAT = "<Q8q"  # the sequence number, then Counts' fields in order
 
     def __init__(self, path: Path):
         with open(path, "r+b") as f:
@@ -56,7 +58,7 @@ class EngineCounts:
         """One writer only (the engine loop, under its lock)."""
         self._sequence += 1
         struct.pack_into("<Q", self._map, 0, self._sequence)  # odd: a write is under way
-        struct.pack_into("<7q", self._map, 8, *astuple(counts))
+        struct.pack_into("<8q", self._map, 8, *astuple(counts))
         self._sequence += 1
         struct.pack_into("<Q", self._map, 0, self._sequence)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ DRAFTER_DIR = "drafter"
 REPOSITORY_DIR = "model_repository"
 TRTLLM_OPTIONS_FILE = "extra_llm_api_options.yaml"
 MANIFEST_FILE = "manifest.json"
+SERVED_MODEL_NAME_ENV = "DFLASH_SERVED_MODEL_NAME"  # dflash-serve --served-model-name, to the models' processes
 VERIFY_PROFILE_FILE = "verify_profile.json"  # step seconds by batch size and verify length, for block size auto
 
 
@@ -88,6 +90,18 @@ def read_manifest(build: str | Path) -> BuildManifest:
     if missing:
         raise DFlashError(f"{path}: not a build manifest (no {', '.join(missing)})")
     return BuildManifest(Path(build), data)
+
+
+def served_name(repository: Path) -> str:
+    """The name the build is served under, in the OpenAI API and in every metric's model_name label: dflash-serve's
+    --served-model-name (SERVED_MODEL_NAME_ENV), else the build's model_id (its manifest, beside the repository),
+    else the build folder's name."""
+    if os.environ.get(SERVED_MODEL_NAME_ENV):
+        return os.environ[SERVED_MODEL_NAME_ENV]
+    try:
+        return read_manifest(repository.parent).model_id
+    except DFlashError:
+        return repository.parent.name
 
 
 def file_hashes(folder: Path) -> dict[str, str]:

@@ -175,6 +175,16 @@ def prompt_size_error(name: str, size: int) -> str | None:
     return f"{name} is {size} bytes (UTF-8), over the limit of {LIMITS.prompt_bytes} bytes per request"
 
 
+def context_error(prompt_tokens: int, max_tokens: int, limit: int) -> str | None:
+    """The message for a prompt and max_tokens that do not fit the engine's context of `limit` tokens, or None: what
+    a generate request is refused with (the engine says more of a prompt that leaves no room), and a render request."""
+    if prompt_tokens >= limit:
+        return f"prompt has {prompt_tokens} tokens; the context limit is {limit} (including at least one generated token)"
+    if prompt_tokens + max_tokens > limit:
+        return f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context limit of {limit} tokens"
+    return None
+
+
 def messages_count_error(count: int) -> str | None:
     if count <= LIMITS.messages:
         return None

@@ -89,6 +89,9 @@ QUEUE_TIMEOUT_SECONDS = 60.0
 KV_EVENTS_ENDPOINT_ENV = "DFLASH_KV_EVENTS_ENDPOINT"
 KV_EVENTS_REPLAY_ENV = "DFLASH_KV_EVENTS_REPLAY_ENDPOINT"
 KV_EVENTS_TOPIC_ENV = "DFLASH_KV_EVENTS_TOPIC"
+# The port the chart publishes them on: llm-d's picker dials every pod of its pool there (its kv-events
+# podDiscoveryConfig.socketPort, 5557 by default) and names the pod <ip>:<the pool's target port> in the topic.
+KV_EVENTS_PORT = 5557
 # Tests only: "hang-step" makes the engine loop's next step block forever, "fail-step" makes every step raise.
 TEST_FAULT_ENV = "DFLASH_TEST_FAULT"
 

@@ -17,7 +17,7 @@ from typing import Callable, Protocol, Sequence as Seq
 from dflash_contract import DFlashError
 from dflash_contract.engine_counts import Counts, EngineCounts
 from dflash_contract.protocol import (CANCELLED_MESSAGE, CAPACITY_MESSAGE, ENGINE_STOPPED_MESSAGE,
-                                      INTERNAL_ERROR_PREFIX, SHUTTING_DOWN_MESSAGE)
+                                      INTERNAL_ERROR_PREFIX, SHUTTING_DOWN_MESSAGE, context_error)
 from dflash_contract.server import FAILED_STEPS_LIMIT, TEST_FAULT_ENV, StepProgress
 from dflash_runtime.engine import SpeculativeEngine, StepOutput
 from dflash_runtime.sampling import SamplingParams, SamplingStats
@@ -74,6 +74,7 @@ class _Request:
     streaming: bool
     shown: int = 0  # output tokens already sent
     queued_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # the start of the step that first gave it a place in the batch
 
 
 @dataclass
@@ -100,6 +101,10 @@ class StepReport:
     kv_events_dropped: int = 0  # steps whose prefix-cache events the publisher dropped (kv_events.py)
     # draft source ("drafter", "suffix", "none") -> {"steps", "drafted", "accepted"} (DraftSources.summary)
     draft_sources: dict[str, dict[str, int]] = field(default_factory=dict)
+    # per request, as vLLM's request_queue_time and request_prefill_time: the requests first scheduled in this step,
+    # from their arrival to the step's start; those whose first token came in it, from their scheduling to the end
+    request_queue_seconds: list[float] = field(default_factory=list)
+    request_prefill_seconds: list[float] = field(default_factory=list)
 
 
 class EngineLoop:
@@ -135,6 +140,10 @@ class EngineLoop:
         self._failed_steps = 0
         self._fault = os.environ.get(TEST_FAULT_ENV)  # tests only (dflash_contract.server)
         self._requests: dict[Sequence, _Request] = {}
+        # the admitted requests not yet scheduled, and the scheduled ones without a first token: only these are
+        # looked at for their queue and prefill times
+        self._unscheduled: list[_Request] = []
+        self._prefilling: list[_Request] = []
         self._lock = threading.Lock()  # guards the engine's queues and self._requests; held through each step
         # Admission must not wait for a step: a submit that did took a whole step per request (a server's
         # requests arrive on one thread), so a burst of 64 waited ~64 steps to be queued or refused. Requests
@@ -159,11 +168,10 @@ class EngineLoop:
     def submit(self, prompt_ids: Seq[int], params: SamplingParams, stream: Stream, streaming: bool = True) -> None:
         """Queue a request; raises DFlashError for bad input and QueueFull when the queue is full. Returns at once,
         whatever the engine is doing: the request joins the engine at its next step."""
-        limit = self.engine.max_context
-        if len(prompt_ids) < limit and len(prompt_ids) + params.max_new_tokens > limit:
-            raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
-                              f"the context limit of {limit} tokens")
-        seq = self.engine.new_sequence(prompt_ids, params)
+        seq = self.engine.new_sequence(prompt_ids, params)  # first: it says why the context is what it is
+        error = context_error(len(prompt_ids), params.max_new_tokens, self.engine.max_context)
+        if error:
+            raise DFlashError(error)
         with self._admit_lock:
             if self.failure is not None:
                 raise EngineStopped(f"{ENGINE_STOPPED_MESSAGE} ({self.failure}); retry on another replica")
@@ -271,10 +279,11 @@ class EngineLoop:
             self._abort(list(self._requests.values()), f"{SHUTTING_DOWN_MESSAGE}; the request was aborted")
         cancelled = self._drop_cancelled()
         self._drop_overdue()
-        outputs, phases = [], {}
+        outputs, phases, step_started = [], {}, time.monotonic()
         if self.engine.has_unfinished():
             outputs = self._timed_step()
             phases = dict(self.engine.phases.seconds)
+        request_seconds = self._queue_and_prefill_seconds(step_started)
         self._generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         if self.kv_events is not None:
             self.kv_events.publish(self.engine.block_manager.take_events())
@@ -290,16 +299,41 @@ class EngineLoop:
                 del self._requests[request.sequence]
         if phases:  # the loop's own: the iteration less the step's phases
             phases["loop"] = time.perf_counter() - started - sum(phases.values())
-        return ready, self._report(outputs, cancelled, phases)
+        return ready, self._report(outputs, cancelled, phases, *request_seconds)
 
     def _admit(self) -> None:
         with self._admit_lock:
             for request in self._pending:
                 self.engine.scheduler.add(request.sequence)
                 self._requests[request.sequence] = request
+                self._unscheduled.append(request)
                 self._prompt_tokens += len(request.sequence.prompt_ids)
             self._pending.clear()
             self._occupancy = self.engine.occupancy()
+
+    def _queue_and_prefill_seconds(self, step_started: float) -> tuple[list[float], list[float]]:
+        """The queue times of the requests this step scheduled first, the prefill times of those it gave their first
+        token (StepReport). Before finished requests leave: one that ends in its first step has its prefill counted."""
+        queue, prefill, unscheduled, prefilling = [], [], [], []
+        for request in self._unscheduled:
+            if request.sequence not in self._requests:  # aborted while it waited
+                continue
+            if request.sequence.status is Status.WAITING:
+                unscheduled.append(request)
+                continue
+            request.scheduled_at = step_started
+            queue.append(step_started - request.queued_at)
+            self._prefilling.append(request)
+        now = time.monotonic()
+        for request in self._prefilling:
+            if request.sequence not in self._requests:
+                continue
+            if request.sequence.output_ids:
+                prefill.append(now - request.scheduled_at)
+            else:
+                prefilling.append(request)
+        self._unscheduled, self._prefilling = unscheduled, prefilling
+        return queue, prefill
 
     def _publish_counts(self) -> None:
         """The engine's counts as of the last admission or step, with the requests not yet admitted as waiting.
@@ -309,7 +343,7 @@ class EngineLoop:
         occupancy = self._occupancy
         self.counts.write(Counts(occupancy.running, occupancy.waiting + len(self._pending), occupancy.used_blocks,
                                  occupancy.used_blocks + occupancy.free_blocks, self.engine.block_manager.block_size,
-                                 self._prompt_tokens, self._generation_tokens))
+                                 self._prompt_tokens, self._generation_tokens, self.engine.max_context))
 
     def _timed_step(self) -> list[StepOutput]:
         started = time.monotonic()
@@ -376,7 +410,8 @@ class EngineLoop:
                     self.engine.cancel(seq)
                     self._requests.pop(seq, None)
 
-    def _report(self, outputs: list[StepOutput], cancelled: int, phases: dict[str, float]) -> StepReport:
+    def _report(self, outputs: list[StepOutput], cancelled: int, phases: dict[str, float],
+                queue_seconds: list[float], prefill_seconds: list[float]) -> StepReport:
         occupancy = self.engine.occupancy()
         stepped = bool(phases)  # an iteration that ran no step must not report the last step's figures again
         return StepReport(
@@ -396,6 +431,8 @@ class EngineLoop:
             preemptions=occupancy.preemptions,
             kv_events_dropped=self.kv_events.dropped if self.kv_events is not None else 0,
             draft_sources=self.engine.draft_sources.summary(),
+            request_queue_seconds=queue_seconds,
+            request_prefill_seconds=prefill_seconds,
         )
 
 

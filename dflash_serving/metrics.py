@@ -6,7 +6,9 @@ as an error response counts as a success and a stream's duration is execute()'s;
 refused request twice as a failure (deploy/README.md, "Metrics", cites the source lines). These counters are
 the source of truth, beside Triton's nv_* metrics on its metrics port.
 
-Where each front model is counted, with `model` the name the client called (FRONT_MODELS):
+Every series is labelled with `model_name`, the name the model is served under (as the engine's dflash_* metrics
+and the gateway's vllm:* ones are: one label to join them by), and `model`, the front model the client called, as
+Triton's nv_* metrics name it (FRONT_MODELS). Where each front model is counted:
 - dflash_bls: in its own process, from its request's arrival to its last response to the client.
 - ensemble: no Python runs at the ensemble itself. Its first step, preprocessing, counts the requests it
   refuses and gives the rest an arrival time (ARRIVAL_INPUT), which the ensemble passes on to dflash; dflash
@@ -119,9 +121,9 @@ class RequestMetrics:
     One series is made by two models: the ensemble's refusals as INVALID_ARG (preprocessing's, and dflash's at its
     door). Both count it with count_now, while the ensemble's request is in flight, which keeps both loaded."""
 
-    def __init__(self, registry, models: tuple[str, ...], outcomes: dict[str, tuple[str, ...]] = OUTCOMES,
-                 latencies: bool = True):
-        self._registry = registry
+    def __init__(self, registry, models: tuple[str, ...], model_name: str,
+                 outcomes: dict[str, tuple[str, ...]] = OUTCOMES, latencies: bool = True):
+        self._registry, self._model_name = registry, model_name
         self._counters = {}
         for model in models:
             for outcome, classes in outcomes.items():
@@ -133,7 +135,8 @@ class RequestMetrics:
                                                   (INTER_TOKEN_LATENCY, ITL_BUCKETS),
                                                   (E2E_REQUEST_LATENCY, E2E_BUCKETS)):
                 for model in models:
-                    self._histograms[name, model] = registry.histogram(name, description, {"model": model}, buckets)
+                    labels = {"model_name": model_name, "model": model}
+                    self._histograms[name, model] = registry.histogram(name, description, labels, buckets)
         self._updates = queue.SimpleQueue()
         threading.Thread(target=self._apply_updates, name="dflash-request-metrics", daemon=True).start()
 
@@ -161,7 +164,7 @@ class RequestMetrics:
     def _counter(self, model: str, outcome: str, kind: str) -> Counter:
         key = model, outcome, kind
         if key not in self._counters:  # an unusual pair (failed INVALID_ARG): made when it first happens
-            labels = {"model": model, "outcome": outcome, "error_class": kind}
+            labels = {"model_name": self._model_name, "model": model, "outcome": outcome, "error_class": kind}
             self._counters[key] = self._registry.counter(*REQUESTS, labels)
         return self._counters[key]
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_contract.layout import served_name
+
 
 def model_parameters(args: dict) -> dict[str, str]:
     config = json.loads(args["model_config"])
@@ -19,3 +21,8 @@ def artifact_path(args: dict, value: str) -> Path:
     path = Path(value)
     # args["model_repository"] is this model's own folder inside the repository
     return path if path.is_absolute() else (Path(args["model_repository"]).parent / path).resolve()
+
+
+def served_model_name(args: dict) -> str:
+    """What the metrics' model_name label calls the model: the name it is served under (layout.served_name)."""
+    return served_name(Path(args["model_repository"]).parent)

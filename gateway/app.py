@@ -22,9 +22,10 @@ from starlette.exceptions import HTTPException
 
 from clients.errors import (DFlashClientError, IncompleteResponse, InvalidRequest, RequestCancelled,
                             ServerUnavailable)
+from clients.params import GenerationParams
 from clients.transport import GrpcTransport, Response
-from dflash_contract.engine_counts import engine_counts
-from dflash_contract.protocol import LIMITS
+from dflash_contract.engine_counts import EngineCounts, engine_counts
+from dflash_contract.protocol import LIMITS, context_error, invalid_request
 from dflash_contract.server import GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH
 
 from . import answers, api
@@ -67,7 +68,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="DFlash OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
-    metrics, counts = GatewayMetrics(), engine_counts()
+    metrics, counts = GatewayMetrics(settings.model_id), engine_counts()
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     _answer_errors_as_openai(app)
@@ -110,7 +111,7 @@ def create_app(settings: Settings) -> FastAPI:
         return await _answer(request, transport["grpc"], t, settings.model_id, chat=False,
                              first_text=FirstText(metrics, COMPLETIONS_PATH, started))
 
-    _add_render_endpoints(app, settings, transport)
+    _add_render_endpoints(app, settings, transport, counts)
     return app
 
 
@@ -121,10 +122,12 @@ def _translated(settings: Settings, body: object, chat: bool) -> api.Translated:
     return api.completion_request(body, settings.model_id)
 
 
-def _add_render_endpoints(app: FastAPI, settings: Settings, transport: dict[str, GrpcTransport]) -> None:
+def _add_render_endpoints(app: FastAPI, settings: Settings, transport: dict[str, GrpcTransport],
+                          counts: EngineCounts | None) -> None:
     """vLLM's render endpoints: the prompt token ids a request would be decoded from, so that a router computes the
     prefix-cache blocks a replica holds without a tokenizer of its own. A request is checked as it would be to
-    generate, by the gateway and by the server's preprocessing, which tokenizes it; nothing is decoded."""
+    generate, by the gateway, by the server's preprocessing, which tokenizes it, and against the engine's context
+    (its counts: none for a gateway that dflash-serve did not start); nothing is decoded."""
     async def render(request: Request, chat: bool):
         _authorize(request, settings.api_key)
         t = _translated(settings, await _json_body(request, settings.max_body_bytes), chat)
@@ -132,6 +135,9 @@ def _add_render_endpoints(app: FastAPI, settings: Settings, transport: dict[str,
             token_ids = await transport["grpc"].prompt_token_ids(t.request)
         except DFlashClientError as e:
             raise _api_error(e) from None
+        engine = counts.read() if counts else None
+        if engine is not None:
+            _check_context(len(token_ids), t.request.params, engine.max_context)
         return answers.rendered(t, settings.model_id, token_ids, chat)
 
     @app.post(CHAT_RENDER_PATH)
@@ -141,6 +147,14 @@ def _add_render_endpoints(app: FastAPI, settings: Settings, transport: dict[str,
     @app.post(COMPLETIONS_RENDER_PATH)
     async def completions_render(request: Request):
         return await render(request, chat=False)
+
+
+def _check_context(prompt_tokens: int, params: GenerationParams, limit: int) -> None:
+    """The engine's refusal of a prompt and max_tokens over its context, as generate answers it (a clipped max_tokens
+    is lowered to what the prompt leaves, one token at least)."""
+    detail = context_error(prompt_tokens, 1 if params.clip_max_tokens else params.max_tokens, limit)
+    if detail:
+        raise api.invalid(invalid_request(detail), api.param_of(invalid_request(detail)))
 
 
 def _answer_errors_as_openai(app: FastAPI) -> None:

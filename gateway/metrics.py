@@ -1,5 +1,5 @@
 """The gateway's own metrics, in Prometheus' text format on its port (GATEWAY_METRICS_PATH, no API key, like the
-health path): requests by endpoint and HTTP status, their duration, and the time to the first text of a stream.
+health path): requests by endpoint and HTTP status, labelled model_name like every metric of the server, their duration, and the time to the first text of a stream.
 
 The gateway is a process of its own, so it cannot add to tritonserver's metrics port; Prometheus scrapes both
 (the chart's ServiceMonitor). A request the gateway passes on is counted by the server too, as dflash_bls's. No
@@ -63,7 +63,8 @@ class _Histogram:
 class GatewayMetrics:
     """Counts and times requests; written out by `render`. One event loop uses it: no locks."""
 
-    def __init__(self):
+    def __init__(self, model_name: str):
+        self.model_label = f'model_name="{label_value(model_name)}"'  # the server's and the engine's label, too
         self.requests: dict[tuple[str, int], int] = {}
         self.duration = {endpoint: _Histogram(DURATION_BUCKETS) for endpoint in (*ENDPOINTS, OTHER)}
         self.first_token = {endpoint: _Histogram(TTFT_BUCKETS) for endpoint in GENERATE_ENDPOINTS}
@@ -79,14 +80,19 @@ class GatewayMetrics:
         lines = []
         name, kind, description = REQUESTS
         lines += [f"# HELP {name} {description}", f"# TYPE {name} {kind}"]
-        lines += [f'{name}{{endpoint="{endpoint}",status="{status}"}} {count}'
+        lines += [f'{name}{{{self.model_label},endpoint="{endpoint}",status="{status}"}} {count}'
                   for (endpoint, status), count in sorted(self.requests.items())]
         for (name, kind, description), histograms in ((DURATION, self.duration),
                                                       (TIME_TO_FIRST_TOKEN, self.first_token)):
             lines += [f"# HELP {name} {description}", f"# TYPE {name} {kind}"]
             for endpoint, histogram in histograms.items():
-                lines += histogram.lines(name, f'endpoint="{endpoint}"')
+                lines += histogram.lines(name, f'{self.model_label},endpoint="{endpoint}"')
         return "\n".join(lines) + "\n"
+
+
+def label_value(text: str) -> str:
+    """`text` as a Prometheus label value, escaped."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class FirstText:

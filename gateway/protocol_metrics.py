@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dflash_contract.engine_counts import Counts
 
+from .metrics import label_value
+
 ENGINE_TYPE = "vllm"  # the picker's engine type for these names (the chart's pod label llm-d.ai/engine-type)
 ENGINE_TYPE_LABEL = "llm-d.ai/engine-type"
 RUNNING = "vllm:num_requests_running"
@@ -28,7 +30,7 @@ def protocol_metrics(counts: Counts | None, model_name: str) -> str:
     """The protocol's families in Prometheus' text format, labelled as vLLM labels them (model_name)."""
     if counts is None:
         return ""
-    model_name = model_name.replace("\\", "\\\\").replace('"', '\\"')  # Prometheus' label escapes
+    model_name = label_value(model_name)
     label = f'{{model_name="{model_name}"}}'
     families = (
         (RUNNING, "gauge", "Requests in the engine's running batch", counts.running),

@@ -36,8 +36,8 @@ from deploy.helm import contract
 from deploy.ports import free_ports
 from dflash_contract.layout import MANIFEST_FILE, REPOSITORY_DIR
 from dflash_contract.presets import PRESETS
-from dflash_contract.server import (GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH, LIVE_PATH, METRICS_PATH,
-                                    OPENAI_API_KEY_ENV, PORTS, READY_PATH, SHUTDOWN_SECONDS)
+from dflash_contract.server import (GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH, KV_EVENTS_PORT, LIVE_PATH,
+                                    METRICS_PATH, OPENAI_API_KEY_ENV, PORTS, READY_PATH, SHUTDOWN_SECONDS)
 from dflash_training import drafter_data, train_drafter
 from gateway.protocol_metrics import ENGINE_TYPE, ENGINE_TYPE_LABEL, WAITING
 
@@ -393,12 +393,19 @@ def test_monitoring_objects_fit_the_services_the_hpa_and_the_adapter(rendered):
             assert isinstance(entry["expr"], str) and _balanced(entry["expr"]), entry["expr"]
             assert re.fullmatch(r"\d+[smh]", entry.get("for", "1m")), entry
         records = {e["record"]: e["expr"] for e in group["rules"] if "record" in e}
-        series = f'namespace="{NAMESPACE}", service="{RELEASE}-metrics", model="{r.values["autoscaling"]["queueModel"]}"'
-        assert f"nv_inference_queue_duration_us{{{series}}}" in records[QUEUE_TIME_RECORD]
+        release = f'namespace="{NAMESPACE}", service="{RELEASE}-metrics"'
+        series = f'{release}, model="{r.values["autoscaling"]["queueModel"]}"'
+        # the engine's own queue time, else Triton's for the queue model
+        engine, triton = records[QUEUE_TIME_RECORD].split("\nor\n")
+        assert f"dflash_request_queue_time_seconds_sum{{{release}}}" in engine
+        assert f"nv_inference_queue_duration_us{{{series}}}" in triton
         # the recorded series is what the adapter serves to the HPA
         assert served["dflash_queue_time_us_per_request"] == QUEUE_TIME_RECORD
         alert = next(e for e in group["rules"] if e.get("alert") == "DFlashQueueTimeHigh")
-        assert alert["expr"].endswith(f"> {2 * round(r.values['autoscaling']['queueTimeTargetMs'] * 1000)}")
+        queue_time, *waiting = alert["expr"].split("\nor\n")  # the mean wait, or the requests still waiting
+        assert queue_time.endswith(f"> {2 * round(r.values['autoscaling']['queueTimeTargetMs'] * 1000)}")
+        target = r.values["autoscaling"].get("queuedSequencesTarget")
+        assert waiting == ([] if target is None else [f"avg(dflash_queued_sequences{{{release}}}) > {2 * target:g}"])
 
 
 # --- behind the Inference Gateway: the pool, its endpoint picker, the route, KEDA -----------------------------------
@@ -470,6 +477,29 @@ def test_the_pool_routes_to_the_servers_openai_port_and_its_picker_reads_their_m
     assert "replicas" not in server["spec"] and not r.all("HorizontalPodAutoscaler")
 
 
+def test_behind_the_pool_the_servers_publish_their_prefix_caches_to_the_picker_alone(rendered):
+    """Where llm-d's precise prefix scorer dials each pod of the pool (kv-events socketPort), under the topic it knows
+    the pod by (kv@<pod IP>:<the pool's target port>@<the model the requests name>); the NetworkPolicy lets this
+    release's picker in on that port, and nobody else."""
+    r = rendered["inference-pool"]
+    (target,) = r.one("InferencePool")["spec"]["targetPorts"]
+    container = server_container(r)
+    assert f"--kv-events-port={KV_EVENTS_PORT}" in container["command"]
+    assert f"--kv-events-topic=kv@$(POD_IP):{target['number']}@qwen3-8b" in container["command"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+    picker_labels = r.one("Deployment", f"{RELEASE}-picker")["spec"]["template"]["metadata"]["labels"]
+    rules = r.one("NetworkPolicy", f"{RELEASE}-server")["spec"]["ingress"]
+    (events,) = [rule for rule in rules if {"port": KV_EVENTS_PORT, "protocol": "TCP"} in rule["ports"]]
+    (source,) = events["from"]
+    assert list(source) == ["podSelector"] and source["podSelector"]["matchLabels"].items() <= picker_labels.items()
+    assert events["ports"] == [{"port": KV_EVENTS_PORT, "protocol": "TCP"}]
+    # without the pool, or with the events turned off: no port, no flag
+    for sets in (["inferencePool.enabled=false"], ["inferencePool.enabled=true", "inferencePool.kvEvents=false"]):
+        objects = manifests(render(user_values(sets=[f"image.digest={DIGEST}", *sets])))
+        (server,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == RELEASE]
+        assert not any("kv-events" in arg for arg in server["spec"]["template"]["spec"]["containers"][0]["command"])
+
+
 # --- checkov --------------------------------------------------------------------------------------
 
 def _checkov_reports(output: str) -> list[dict]:
@@ -506,7 +536,8 @@ def test_checkov_passes_on_the_manifests_and_the_dockerfiles(rendered, tmp_path)
 def test_ports_and_probes_are_the_launchers(rendered):
     for name, r in rendered.items():
         server = server_container(r)
-        assert {p["name"]: p["containerPort"] for p in server["ports"]} == PORTS
+        events = {"kv-events": KV_EVENTS_PORT} if r.values["inferencePool"]["enabled"] else {}  # the picker's
+        assert {p["name"]: p["containerPort"] for p in server["ports"]} == {**PORTS, **events}
         assert all(IANA_SVC_NAME.fullmatch(p["name"]) for p in server["ports"]), server["ports"]
         # startup: the gateway's health, 200 only once Triton is ready and the gateway listens; readiness
         # stays Triton's own
@@ -529,7 +560,7 @@ def test_ports_and_probes_are_the_launchers(rendered):
             assert service["spec"]["selector"].items() <= pod_labels(r).items()
         allowed = {p["port"] for policy in r.all("NetworkPolicy") if "server" in policy["metadata"]["name"]
                    for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-        assert allowed == set(PORTS.values())
+        assert allowed == set(PORTS.values()) | set(events.values())
         command = server["command"]
         assert all(f"--{port_name}-port={port}" in command for port_name, port in PORTS.items())
 
@@ -547,7 +578,7 @@ def test_the_openai_gateway_is_exposed_to_the_clients_only(rendered):
         assert r.one("Service", RELEASE + "-headless")["spec"]["clusterIP"] == "None"
 
         policy = r.one("NetworkPolicy", f"{RELEASE}-server")
-        clients, monitoring = policy["spec"]["ingress"]
+        clients, monitoring, *events = policy["spec"]["ingress"]  # events: the picker's (the test above)
         assert {p["port"] for p in clients["ports"]} == {PORTS[p] for p in ("http", "grpc", "openai")}
         assert all(p["protocol"] == "TCP" for p in clients["ports"])
         namespaces = [peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]

@@ -267,7 +267,8 @@ def test_the_counts_a_router_reads_are_the_engines_own_at_every_change(tiny, tmp
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     streams = [Collector() for _ in range(4)]
     try:
-        assert reader.read() == Counts(0, 0, 0, engine.block_manager.num_blocks, 16, 0, 0)  # written once loaded
+        # written once loaded
+        assert reader.read() == Counts(0, 0, 0, engine.block_manager.num_blocks, 16, 0, 0, engine.max_context)
         loop.submit(PROMPTS[0], params, streams[0])
         assert stepping.wait(60)  # the first step holds: the request is in the scheduler's queue, not yet running
         for stream in streams[1:]:
@@ -303,7 +304,7 @@ def test_a_reader_never_takes_half_of_one_write(tmp_path):
     n = 0
     while reading.poll() is None:
         n += 1
-        writer.write(Counts(*[n] * 7))
+        writer.write(Counts(*[n] * 8))
     assert reading.returncode == 0 and reading.stdout.read().strip() == "2000"
 
 
@@ -366,6 +367,35 @@ def test_a_request_that_waits_too_long_for_a_slot_is_refused_as_at_capacity(tiny
         assert all(s.done.wait(120) and s.error is None for s in running)  # those that had a slot finish
     finally:
         loop.stop()
+
+
+def test_each_request_reports_its_queue_time_and_its_prefill_time_once(tiny):
+    """Three requests on two batch places: each has one queue time (arrival to the step that scheduled it) and one
+    prefill time (that step to its first token); the third waited at least until a first one had finished."""
+    engine, loop = _loop(tiny)
+    reports, finished_at = [], []
+
+    class Timed(Collector):
+        def send(self, chunk):
+            super().send(chunk)
+            if chunk.finished:
+                finished_at.append(time.monotonic())
+
+    loop.on_step = reports.append
+    streams = [Timed() for _ in range(3)]
+    try:
+        for stream in streams[:2]:
+            loop.submit(PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True), stream)
+        loop.submit(PROMPTS[1], SamplingParams(max_new_tokens=4, ignore_eos=True), streams[2])
+        submitted = time.monotonic()
+        assert all(s.done.wait(60) and s.error is None for s in streams)
+    finally:
+        loop.stop()
+    queue = [seconds for r in reports for seconds in r.request_queue_seconds]
+    prefill = [seconds for r in reports for seconds in r.request_prefill_seconds]
+    assert len(queue) == len(prefill) == 3 and min(queue + prefill) > 0
+    assert max(queue) >= min(finished_at) - submitted  # the third's: it waited for a place
+    assert sorted(queue)[:2] < [max(queue)] * 2
 
 
 def test_each_step_report_says_where_the_iterations_time_went(tiny):

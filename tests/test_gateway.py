@@ -332,6 +332,13 @@ def test_render_gives_the_token_ids_a_request_is_decoded_from_and_checks_it_as_o
         path = "/v1/chat/completions/render" if "messages" in body else "/v1/completions/render"
         refused = httpx.post(url + path, json=body, timeout=60)
         assert refused.status_code == status and words in refused.json()["error"]["message"], refused.text
+    # over the engine's context: the words generate answers with, from the engine's own limit
+    over = {"model": MODEL, "prompt": prompt, "max_tokens": 100000}
+    generated, refused = (httpx.post(f"{url}{path}", json=over, timeout=60)
+                          for path in ("/v1/completions", "/v1/completions/render"))
+    assert generated.status_code == refused.status_code == 400
+    assert refused.json()["error"] == generated.json()["error"]
+    assert "exceeds the context limit" in refused.json()["error"]["message"]
     time.sleep(1)  # metrics are recorded off the request's thread
     assert ensemble_refusals() == refusals
 

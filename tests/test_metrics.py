@@ -91,7 +91,7 @@ class FakeRegistry:
 
 def test_a_timeline_observes_each_token_once_and_counts_its_first_end_only():
     registry = FakeRegistry()
-    metrics = RequestMetrics(registry, ("dflash_bls",))
+    metrics = RequestMetrics(registry, ("dflash_bls",), "smollm2-135m")
     # every series is there at start-up, at 0: outcomes x their classes, and the three histograms
     assert len(registry.metrics) == sum(len(c) for c in OUTCOMES.values()) + 3
     clock = iter([10.5, 10.7, 11.1, 11.2]).__next__
@@ -119,7 +119,7 @@ def test_a_timeline_observes_each_token_once_and_counts_its_first_end_only():
 
 
 def test_the_gateway_writes_prometheus_text():
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics("smollm2-135m")
     metrics.request_done(endpoint_of("/v1/chat/completions"), 200, 0.3)
     metrics.request_done(endpoint_of("/v1/models/some/id"), 404, 0.001)
     metrics.request_done(endpoint_of("/admin"), 404, 0.001)
@@ -140,7 +140,7 @@ def test_the_protocol_gauges_have_vllms_names_and_meanings():
     1 as vLLM and the picker's scorer take it, the cache geometry in cache_config_info's labels; no counts, no
     families (a pod with no data, not an idle one)."""
     counts = Counts(running=3, waiting=5, kv_blocks_used=40, kv_blocks=160, block_size=16, prompt_tokens=900,
-                    generation_tokens=1200)
+                    generation_tokens=1200, max_context=2048)
     samples = parse(protocol_metrics(counts, 'my "model"'))
     named = {"model_name": 'my \\"model\\"'}  # as Prometheus escapes a label value
     assert value(samples, "vllm:num_requests_running", **named) == 3
@@ -269,13 +269,28 @@ def test_each_front_model_counts_a_good_and_a_refused_request_and_times_the_good
         {"nv_inference_request_success": 2, "nv_inference_request_failure": 0}
     expected = {**requests_of(model, **{reason: 1, "refused__INVALID_ARG": 1}),
                 **histograms_of(model, ttft=1, itl=tokens_after_the_first_response(results), e2e=1),
-                **{(name, frozenset({("model", model)})): count for name, count in tritons.items()}}
+                **{(name, frozenset({("model", model)})): count for name, count in tritons.items()},
+                # the engine's own, whatever the front: the good request's wait for a place and its prefill
+                **{(f"dflash_request_{name}_time_seconds_count", frozenset({("model", "dflash")})): 1
+                   for name in ("queue", "prefill")}}
     after = served.wait_for(before, expected)
     for (name, labels), want in expected.items():
         assert delta(after, before, name, **dict(labels)) == want, (name, dict(labels))
     assert delta(after, before, "dflash_requests_total", model=model) == 2  # nothing else
     for other in set(FRONT_MODELS) - {model}:  # each request counted once, at the front the client called
         assert delta(after, before, "dflash_requests_total", model=other) == 0, other
+
+
+def test_every_series_of_ours_is_labelled_with_the_served_model_name(served):
+    """One label joins the engine's, the requests' and the gateway's series, and the protocol's: the OpenAI API's
+    model id (model says which Triton model counted it, as in Triton's own nv_* series)."""
+    ours = [(name, dict(labels)) for name, labels in [*served.snapshot(), *scrape(served.gateway_metrics)]
+            if name.startswith(("dflash_", "vllm:"))]
+    families = {name.split("_bucket")[0] for name, _ in ours}
+    assert {"dflash_requests_total", "dflash_generated_tokens_total", "dflash_gateway_requests_total",
+            "dflash_request_queue_time_seconds", "vllm:num_requests_waiting"} <= families
+    unlabelled = {name for name, labels in ours if labels.get("model_name") != "smollm2-135m"}
+    assert not unlabelled, unlabelled
 
 
 def test_cancelled_streams_and_http_generate_refusals_are_counted_at_their_front(served, prompt_ids):
@@ -396,7 +411,7 @@ def series_names(expr: str) -> set[str]:
     expr = re.sub(r'"[^"]*"', "", expr)
     for clause in (r"\{[^}]*\}", r"\[[^\]]*\]", r"\b(?:by|without|on|ignoring)\s*\([^)]*\)"):
         expr = re.sub(clause, " ", expr)  # label matchers, ranges, groupings
-    return {name for name, call in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\s*\()?", expr)
+    return {name for name, call in re.findall(r"(?<![\w.])([a-zA-Z_:][a-zA-Z0-9_:]*)(\s*\()?", expr)
             if not call and name not in ("and", "or", "unless")}
 
 
@@ -410,7 +425,8 @@ def test_the_prometheus_rule_names_only_metrics_and_labels_the_servers_export(se
         used |= names
         for name in names - records - {"up"}:  # up: Prometheus' own, per scraped endpoint
             assert name in exported, f"{rule.get('record') or rule.get('alert')} uses {name}, which no server exports"
-    assert {"dflash_requests_total", "nv_inference_queue_duration_us", "nv_inference_request_success"} <= used
+    assert {"dflash_requests_total", "dflash_request_queue_time_seconds_sum", "dflash_queued_sequences",
+            "nv_inference_queue_duration_us", "nv_inference_request_success"} <= used
     assert records <= used  # every recording rule is used
     # the label values the alerts select are the counters' own
     for rule in rules:
@@ -445,7 +461,12 @@ def test_the_grafana_dashboard_charts_only_what_the_servers_export(served):
         for target in panel["targets"]:
             names = series_names(target["expr"])
             assert names and names <= exported, (panel["title"], names - exported)
+            # every series is chosen by the dashboard's model, by the one label all of ours carry
+            assert target["expr"].count('{model_name=~"$model_name"}') == len(re.findall(r"\b(?:dflash_|vllm:)",
+                                                                                          target["expr"])), target
             used |= names
     assert {"dflash_generated_tokens_total", "dflash_time_to_first_token_seconds_bucket", "vllm:num_requests_waiting",
-            "vllm:kv_cache_usage_perc", "dflash_prefix_cache_hit_tokens_total",
-            "dflash_accepted_draft_tokens_total"} <= used
+            "vllm:kv_cache_usage_perc", "dflash_prefix_cache_hit_tokens_total", "dflash_accepted_draft_tokens_total",
+            "dflash_request_queue_time_seconds_bucket", "dflash_request_prefill_time_seconds_bucket"} <= used
+    (model,) = [v for v in dashboard["templating"]["list"] if v["name"] == "model_name"]
+    assert re.fullmatch(r"label_values\(([\w:]+), model_name\)", model["definition"]).group(1) in exported

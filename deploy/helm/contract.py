@@ -23,8 +23,8 @@ from dflash_contract.layout import MANIFEST_FILE, REPO_ROOT, REPOSITORY_DIR
 from dflash_contract.presets import PRESETS
 from dflash_training.options import data_parser, train_parser
 from gateway.protocol_metrics import ENGINE_TYPE, ENGINE_TYPE_LABEL
-from dflash_contract.server import (GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH, LIVE_PATH, METRICS_PATH,
-                                    OPENAI_API_KEY_ENV, PORTS, READY_PATH, SHUTDOWN_SECONDS)
+from dflash_contract.server import (GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH, KV_EVENTS_PORT, LIVE_PATH,
+                                    METRICS_PATH, OPENAI_API_KEY_ENV, PORTS, READY_PATH, SHUTDOWN_SECONDS)
 
 CHART = Path(__file__).resolve().parent / "dflash"
 CONTRACT_FILE = CHART / "files" / "contract.yaml"
@@ -61,7 +61,7 @@ def contract() -> dict:
                   "gatewayMetrics": GATEWAY_METRICS_PATH},
         "shutdownSeconds": SHUTDOWN_SECONDS,
         "openaiApiKeyEnv": OPENAI_API_KEY_ENV,
-        "router": {"engineTypeLabel": ENGINE_TYPE_LABEL, "engineType": ENGINE_TYPE},
+        "router": {"engineTypeLabel": ENGINE_TYPE_LABEL, "engineType": ENGINE_TYPE, "kvEventsPort": KV_EVENTS_PORT},
         "build": {"repositoryDir": REPOSITORY_DIR, "manifestFile": MANIFEST_FILE},
         "presets": {p.name: {"downloads": downloads(p), "runtimes": list(p.runtimes)} for p in PRESETS.values()},
         "builder": {"flags": flags(build_parser()), "valueless": valueless_flags(),

@@ -18,7 +18,8 @@ from dflash_contract.engine_counts import engine_counts
 from dflash_contract.presets import parse_block_size
 from dflash_contract.protocol import (CANCELLED_MESSAGE, FINISH_REASON, STATISTICS, config_type, error_class,
                                       invalid_request, response_statistics)
-from dflash_contract.server import acknowledged_path, drain_signal, progress_signal, queue_timeout, report_engine_failure
+from dflash_contract.server import (TTFT_BUCKETS, acknowledged_path, drain_signal, progress_signal, queue_timeout,
+                                    report_engine_failure)
 from dflash_contract.versions import version_warning
 from dflash_runtime.pipeline import load_pipeline
 from dflash_runtime.step_clock import host_seconds
@@ -27,7 +28,7 @@ from dflash_serving.engine_loop import EngineLoop, EngineStopped, QueueFull
 from dflash_serving.kv_events import kv_event_publisher
 from dflash_serving.logprobs import TokenTexts
 from dflash_serving.metrics import ARRIVAL_INPUT, RequestMetrics, TritonRegistry, front_model
-from dflash_serving.model_args import artifact_path, model_parameters
+from dflash_serving.model_args import artifact_path, model_parameters, served_model_name
 from dflash_serving.requests import is_stop_request, parse_engine_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -74,9 +75,10 @@ class TritonPythonModel:
         graphs = str(engine.graphs.report) if engine.graphs.capture else "no CUDA graphs"
         pb_utils.Logger.log_info(f"dflash: engine ready on {engine.device}, max batch {engine.scheduler.num_slots}, "
                                  f"context {engine.max_context}, {engine.kv_cache_summary()}: {graphs}")
-        self.metrics = EngineMetrics(args["model_name"], args["model_version"], engine.block_size, reports)
+        model_name = served_model_name(args)
+        self.metrics = EngineMetrics(model_name, args["model_name"], engine.block_size, reports)
         # the requests that come through the ensemble or straight here (dflash_bls counts its own)
-        self.requests = RequestMetrics(TritonRegistry(pb_utils.MetricFamily), ("ensemble", "dflash"))
+        self.requests = RequestMetrics(TritonRegistry(pb_utils.MetricFamily), ("ensemble", "dflash"), model_name)
         self.in_flight = {}  # request id -> TritonStream, for `stop` requests
         drain = drain_signal()
         if drain is not None:
@@ -224,10 +226,12 @@ class TritonStream:
 
 
 class EngineMetrics:
-    """dflash_* metrics on Triton's metrics endpoint, beside Triton's own nv_* metrics."""
+    """dflash_* metrics on Triton's metrics endpoint, beside Triton's own nv_* metrics, labelled as the request
+    metrics are (dflash_serving.metrics): model_name, the name the model is served under, and model, this Triton
+    model's."""
 
-    def __init__(self, model, version, block_size, reports):
-        labels = {"model": model, "version": str(version)}
+    def __init__(self, model_name, model, block_size, reports):
+        labels = {"model_name": model_name, "model": model}
         self.families = []  # a MetricFamily must outlive its Metric objects
 
         def family(name, description, kind, **kwargs):
@@ -245,6 +249,14 @@ class EngineMetrics:
                                      buckets=LATENCY_BUCKETS)
         self.prefill_seconds = family("dflash_prefill_duration_seconds", "Prefills per step", H,
                                       buckets=LATENCY_BUCKETS)
+        self.request_queue_seconds = family("dflash_request_queue_time_seconds", "Requests' wait for a place in the "
+                                            "engine's batch: from their arrival at the engine to the start of the step "
+                                            "that first scheduled them (vLLM's request_queue_time)", H,
+                                            buckets=list(TTFT_BUCKETS))
+        self.request_prefill_seconds = family("dflash_request_prefill_time_seconds", "Requests' prefill: from the "
+                                              "step that first scheduled them to the end of the step that gave their "
+                                              "first token (vLLM's request_prefill_time)", H,
+                                              buckets=list(TTFT_BUCKETS))
         self.host_seconds = family("dflash_step_host_seconds", "Host time per engine step outside the model's "
                                    "passes and the device-to-host copy: scheduling, inputs, sampling, acceptance, "
                                    "commits and the loop's own work", H, buckets=HOST_BUCKETS)
@@ -290,6 +302,10 @@ class EngineMetrics:
             self.verify_seconds.observe(report.seconds["verify"])
         if report.seconds["prefill"]:
             self.prefill_seconds.observe(report.seconds["prefill"])
+        for seconds in report.request_queue_seconds:
+            self.request_queue_seconds.observe(seconds)
+        for seconds in report.request_prefill_seconds:
+            self.request_prefill_seconds.observe(seconds)
         if report.phases:
             self.host_seconds.observe(host_seconds(report.phases))
         if report.new_tokens:

@@ -19,6 +19,7 @@ from dflash_contract.protocol import (CANCELLED_MESSAGE, ENGINE_INPUTS, ENGINE_S
 from dflash_contract.server import acknowledged_path, failure_signal
 from dflash_runtime.stop_text import StopText
 from dflash_serving.metrics import BLS_CALL_PREFIX, RequestMetrics, TritonRegistry
+from dflash_serving.model_args import served_model_name
 
 RESPONSE_OUTPUTS = (FINISH_REASON, *(s.tensor for s in STATISTICS), *LOGPROB_OUTPUTS)  # passed on as they are
 TOKENS_SO_FAR = next(s.tensor for s in STATISTICS if s.field == "completion_tokens")
@@ -30,7 +31,8 @@ FAILURE_CHECK_SECONDS = 0.25
 class TritonPythonModel:
     def initialize(self, args):
         self.in_flight = InFlight()
-        self.requests = RequestMetrics(TritonRegistry(pb_utils.MetricFamily), ("dflash_bls",))
+        self.requests = RequestMetrics(TritonRegistry(pb_utils.MetricFamily), ("dflash_bls",),
+                                       served_model_name(args))
         failure = failure_signal()
         if failure is not None:
             threading.Thread(target=self._end_streams_on_failure, args=(failure,), daemon=True).start()

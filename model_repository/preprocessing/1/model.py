@@ -19,7 +19,7 @@ from dflash_contract import DFlashError
 from dflash_contract.protocol import invalid_request
 from dflash_runtime.text import encode_prompt, load_tokenizer
 from dflash_serving.metrics import ARRIVAL_INPUT, RequestMetrics, TritonRegistry, counted_at_front
-from dflash_serving.model_args import artifact_path, model_parameters
+from dflash_serving.model_args import artifact_path, model_parameters, served_model_name
 from dflash_serving.requests import parse_front_request
 
 
@@ -30,7 +30,7 @@ class TritonPythonModel:
         if self.tokenizer is None:
             raise DFlashError(f"no tokenizer in {tokenizer_dir}")
         # only the series of the refusals: dflash counts the rest of the ensemble's requests
-        self.requests = RequestMetrics(TritonRegistry(pb_utils.MetricFamily), ("ensemble",),
+        self.requests = RequestMetrics(TritonRegistry(pb_utils.MetricFamily), ("ensemble",), served_model_name(args),
                                        {"refused": ("INVALID_ARG",)}, latencies=False)
 
     def execute(self, requests):

@@ -175,3 +175,14 @@ The build Job's flags: from model.* and server.*, then build.args (checked in df
 {{- define "dflash.pickerGrpcPort" -}}
 9002
 {{- end }}
+
+{{/* The name the servers serve the model under (the OpenAI API's model id, the metrics' model_name): the preset, or
+the last part of model.target, as the build's manifest names it (dflash_contract.layout.BuildManifest.model_id). */}}
+{{- define "dflash.servedModel" -}}
+{{- .Values.model.preset | default (base .Values.model.target) }}
+{{- end }}
+
+{{/* Whether the servers publish their prefix caches' changes: behind the pool, unless turned off. */}}
+{{- define "dflash.kvEvents" -}}
+{{- if and .Values.inferencePool.enabled .Values.inferencePool.kvEvents }}true{{ end }}
+{{- end }}
