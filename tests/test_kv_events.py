@@ -4,6 +4,8 @@ events as maps tagged by `type` inside a positional batch), for the block manage
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 
 import msgspec
@@ -261,9 +263,35 @@ class PrefixRouter:
 
 
 def scrape_waiting(url: str) -> float:
+    return gauges(url)[1]
+
+
+def gauges(url: str) -> tuple[float, float]:
+    """(vllm:num_requests_running, vllm:num_requests_waiting) on a replica's gateway."""
     text = requests.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_waiting{"))
+    return tuple(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+                 for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+
+
+@contextlib.contextmanager
+def streams(url: str, count: int):
+    """`count` long streamed completions in flight on a replica until the block ends (the gateway answers a stream's
+    headers with its first token, so each is sent from a thread of its own); then closed: the engine cancels them."""
+    body = {"model": MODEL, "prompt": "Count from one to a thousand: one, two,", "max_tokens": 2000, "temperature": 0,
+            "stream": True}
+    replies = queue.Queue()
+    senders = [threading.Thread(target=lambda: replies.put(requests.post(f"{url}/v1/completions", json=body,
+                                                                         stream=True, timeout=120)))
+               for _ in range(count)]
+    for sender in senders:
+        sender.start()
+    try:
+        yield
+    finally:
+        for _ in senders:
+            reply = replies.get(timeout=120)
+            assert reply.status_code == 200, reply.text
+            reply.close()
 
 
 def test_a_second_turn_routed_by_prefix_lands_on_the_replica_that_holds_its_history(default_build, tmp_path):
@@ -285,12 +313,36 @@ def test_a_second_turn_routed_by_prefix_lands_on_the_replica_that_holds_its_hist
             time.sleep(0.2)
         second, held = router.pick(conversation)
         routed, elsewhere = chat(replicas[second], conversation), chat(replicas[1 - second], conversation)
+        seen = gauges_under_load([r.gateway.url for r in replicas], (12, 4))
     assert nothing == 0 and second == first
     usage = routed["usage"]  # all the whole blocks of its history the events promised (74 % of it here)
     assert usage["prompt_tokens_details"]["cached_tokens"] == held >= 0.7 * usage["prompt_tokens"], usage
     assert elsewhere["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     print(f"second turn: {usage['prompt_tokens_details']['cached_tokens']} of {usage['prompt_tokens']} prompt tokens "
           f"cached on the routed replica, 0 on the other")
+    # 16 streams over the two, 12 and 4, on 8 batch places each: each replica's own gauges, at every scrape
+    assert seen[-1] == [(8, 4), (4, 0)], seen[-5:]  # all in their engines
+    assert all(running <= 8 and running + waiting <= sent for scrape in seen
+               for (running, waiting), sent in zip(scrape, (12, 4))), seen
+
+
+def gauges_under_load(urls: list[str], counts: tuple[int, ...], places: int = 8) -> list[list[tuple[float, float]]]:
+    """Each replica's (running, waiting) at every scrape while `counts` streams are in flight on them, until each
+    reads all its streams in its engine, `places` of them running (the build's batch), or a minute passes; each back
+    to (0, 0) once they close."""
+    expected = [(min(count, places), count - min(count, places)) for count in counts]
+    with contextlib.ExitStack() as stack:
+        for url, count in zip(urls, counts):
+            stack.enter_context(streams(url, count))
+        deadline, seen = time.monotonic() + 60, []
+        while time.monotonic() < deadline and seen[-1:] != [expected]:
+            seen.append([gauges(url) for url in urls])
+            time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(any(gauges(url)) for url in urls):
+        time.sleep(0.2)
+    assert all(gauges(url) == (0, 0) for url in urls)
+    return seen
 
 
 def chat(server, messages: list[dict]) -> dict:

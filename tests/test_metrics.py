@@ -8,9 +8,7 @@ thread) with a timeout, never on timings.
 from __future__ import annotations
 
 import json
-import queue
 import re
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,6 +28,7 @@ from dflash_serving.metrics import (BLS_CALL_PREFIX, FRONT_MODELS, OUTCOMES, Req
 from dflash_contract.engine_counts import Counts
 from gateway.metrics import GatewayMetrics, endpoint_of
 from gateway.protocol_metrics import protocol_metrics
+from test_kv_events import streams
 from test_serving import Stream, refusal
 
 REPO = Path(__file__).resolve().parent.parent
@@ -362,17 +361,7 @@ def test_the_gateway_serves_the_engines_own_queue_and_kv_counts_to_a_router(serv
     kv_tokens = re.search(r'key: "kv_cache_tokens" value: \{ string_value: "(\d+)" \}',
                           (default_build / "model_repository/dflash/config.pbtxt").read_text()).group(1)
     assert value(before, "vllm:cache_config_info", block_size="16", num_gpu_blocks=str(int(kv_tokens) // 16)) == 1
-    body = {"model": "smollm2-135m", "prompt": "Count from one to a thousand: one, two,", "max_tokens": 2000,
-            "temperature": 0, "stream": True}
-    # each on a thread of its own: the gateway answers a stream's headers once its first token is made, and 8 of
-    # these wait for a place
-    streams = queue.Queue()
-    senders = [threading.Thread(target=lambda: streams.put(requests.post(f"{url}/v1/completions", json=body,
-                                                                         stream=True, timeout=120)))
-               for _ in range(16)]
-    for sender in senders:
-        sender.start()
-    try:
+    with streams(url, 16):  # closed at the end: the gateway cancels, the engine frees the place for a waiting one
         deadline, seen = time.monotonic() + 60, []
         while time.monotonic() < deadline and seen[-1:] != [(8, 8)]:  # all 16 in the engine, 8 of them decoding
             samples = scrape(gateway)
@@ -383,11 +372,6 @@ def test_the_gateway_serves_the_engines_own_queue_and_kv_counts_to_a_router(serv
         assert 0 < value(samples, "vllm:kv_cache_usage_perc") < 1
         prompt = delta(samples, before, "vllm:prompt_tokens_total")
         assert prompt > 0 and prompt % 8 == 0  # one prompt's tokens per request the engine's queue took
-    finally:
-        for _ in senders:  # the client goes away: the gateway cancels, the engine frees the place for a waiting one
-            response = streams.get(timeout=120)
-            assert response.status_code == 200, response.text
-            response.close()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (value(after := scrape(gateway), "vllm:num_requests_running")
                                            or value(after, "vllm:num_requests_waiting")):
