@@ -261,6 +261,7 @@ def repository_values(inputs: Inputs, opts: BuildOptions) -> dict[str, object]:
         "prefill_chunk": opts.prefill_chunk,
         "prefix_caching": str(opts.prefix_caching).lower(),
         "suffix_drafts": str(opts.suffix_drafts).lower(),
+        "shared_suffix_tokens": opts.shared_suffix_tokens,
         "dtype": opts.dtype,
         "device": opts.device,
         "cpu_weights": opts.cpu_weights,

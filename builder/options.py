@@ -65,6 +65,7 @@ class BuildOptions:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # 0: a prompt's whole uncached part in one pass
     prefix_caching: bool = True
     suffix_drafts: bool = True  # block size auto: draft-free suffix drafts beside the drafter (suffix_drafts.py)
+    shared_suffix_tokens: int = 0  # and from earlier requests' outputs, this many tokens of them (0: none)
     dtype: str = "auto"  # resolved by the build: bfloat16 on CUDA, float32 on a CPU
     cpu_weights: str = "auto"  # the torch runtime's linears on a CPU (dflash_runtime/cpu_weights.py)
     device: str = "auto"  # resolved by the build: CUDA when there is a GPU
@@ -132,6 +133,7 @@ def check_options(opts: BuildOptions) -> None:
     for flag, value, least in (("--max-batch-size", opts.max_batch_size, 1),
                                ("--max-queue-size", opts.max_queue_size, 0),
                                ("--prefill-chunk", opts.prefill_chunk, 0),
+                               ("--shared-suffix-tokens", opts.shared_suffix_tokens, 0),
                                ("--calib-samples", opts.calib_samples, 1), ("--sanity-tokens", opts.sanity_tokens, 0),
                                ("--tensor-parallel-size", opts.tensor_parallel_size, 1),
                                ("--pipeline-parallel-size", opts.pipeline_parallel_size, 1)):
@@ -142,6 +144,10 @@ def check_options(opts: BuildOptions) -> None:
     if opts.kv_cache_tokens is not None:
         check_context_room(opts.kv_cache_tokens - known_block_size(opts), known_block_size(opts))
     check_speculative_sampling(opts.speculative_sampling)
+    shared = opts.shared_suffix_tokens
+    if shared and (opts.runtime != "torch" or not opts.suffix_drafts or shared < 2):
+        raise DFlashError(f"--shared-suffix-tokens {shared}: suffix drafts from earlier requests need --runtime torch, "
+                          "suffix drafts on (no --no-suffix-drafts) and room for 2 tokens at least")
     if opts.runtime == "trtllm" and opts.speculative_sampling != DEFAULT_SPECULATIVE_SAMPLING:
         raise DFlashError(f"--speculative-sampling {opts.speculative_sampling} is for --runtime torch: TensorRT-LLM's "
                           "DFlash verifies its drafts by its own rule")
@@ -284,6 +290,11 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
                        help="turn off the torch runtime's draft-free suffix drafts (block size auto: a step may "
                             "verify the continuation of an earlier occurrence of a request's own text instead of the "
                             "drafter's block; only ever a request's own prompt and output), for A/B runs")
+    group.add_argument("--shared-suffix-tokens", type=int, default=0, metavar="N",
+                       help="suffix drafts also from earlier requests' outputs, the last N tokens of them (4 bytes "
+                            "each, the oldest overwritten): an agent re-emitting a file, a retried request. Across "
+                            "tenants a timing side channel: how fast an answer comes tells whether similar text was "
+                            "generated before (answers never change). Default: 0, none (a request's own text only)")
     group.add_argument("--reasoning-parser", default=PRESET_PARSER,
                        choices=(PRESET_PARSER, "none", *REASONING_PARSERS),
                        help="how the OpenAI gateway splits a thinking model's reasoning into reasoning_content: "
@@ -308,7 +319,8 @@ def options_from_args(args: argparse.Namespace) -> BuildOptions:
                         max_batch_size=args.max_batch_size, max_context=args.max_context,
                         max_queue_size=args.max_queue_size, kv_cache_tokens=args.kv_cache_tokens,
                         prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching,
-                        suffix_drafts=args.suffix_drafts, dtype=args.dtype, device=args.device, gpu=args.gpu,
+                        suffix_drafts=args.suffix_drafts, shared_suffix_tokens=args.shared_suffix_tokens,
+                        dtype=args.dtype, device=args.device, gpu=args.gpu,
                         cpu_weights=args.cpu_weights,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size, dflash_attention=args.dflash_attention,

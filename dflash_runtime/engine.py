@@ -41,7 +41,7 @@ from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence, Status
 from .step_clock import PhaseTimer, StepClock
 from .step_graphs import StepGraphs, batch_bucket, length_bucket, length_buckets
-from .suffix_drafts import SuffixDraft, TokenHistory
+from .suffix_drafts import SharedResponses, SuffixDraft, drafts_of
 from .target import TargetModel
 from .token_choices import SampledRows, TokenChoices
 from .verify_length import StepCosts, StepPlan, VerifyLengthPolicy, device_signature, doubling, match_bucket
@@ -67,7 +67,7 @@ class SpeculativeEngine:
                  step_costs: StepCosts | None = None, static_shapes: bool | None = None,
                  draft_sharpness: float | None = None, speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING,
                  kv_cache_tokens: int | None = None, prefix_caching: bool = True, prefill_chunk: int | None = None,
-                 grammars: GrammarCompiler | None = None, suffix_drafts: bool = True):
+                 grammars: GrammarCompiler | None = None, suffix_drafts: bool = True, shared_suffix_tokens: int = 0):
         """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
         length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
         to start "auto" from, used if it was made on this device (else the engine profiles itself).
@@ -82,8 +82,8 @@ class SpeculativeEngine:
         (default_kv_cache_tokens). prefix_caching: reuse the blocks of prompts seen before (off for A/B runs).
         prefill_chunk: prompt tokens a step prefills at most while some sequence decodes, which keeps decoding during
         a long prompt (None: a prompt's whole uncached part in one pass; _prefill_budget). grammars: guided requests'
-        compiler (grammar.py; None: they are refused). suffix_drafts: under "auto", rows may verify their suffix
-        drafts (suffix_drafts.py) where those are expected to pay more than the drafter's block."""
+        compiler (grammar.py; None: they are refused). suffix_drafts: under "auto", rows may verify suffix drafts
+        (suffix_drafts.py) where they pay more than the drafter's, also from shared_suffix_tokens of earlier outputs."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
@@ -117,8 +117,8 @@ class SpeculativeEngine:
         self.context = DrafterContext(self.drafter, self.draft_cache, self.injection_tokens, self._tables, block_size)
         adaptive = adaptive and self.drafter is not None
         self.verify_lengths = verify_lengths(block_size, adaptive, self.static_shapes)
-        self.policy = None  # "auto"'s, made by _start_up
-        self.suffix_drafts = suffix_drafts and adaptive
+        self.policy, self.suffix_drafts = None, suffix_drafts and adaptive  # policy: "auto"'s, made by _start_up
+        self.shared_responses = SharedResponses.of(shared_suffix_tokens if self.suffix_drafts else 0)
         self.draft_sources = DraftSources()  # every sequence's, summed since the engine started
         self._start_up(adaptive, step_costs)
 
@@ -265,17 +265,9 @@ class SpeculativeEngine:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _suffix_drafts(self, batch: list[Sequence]) -> list[SuffixDraft | None]:
-        """Each sequence's suffix draft (suffix_drafts.py), None where it has none or may not use one: guided rows
-        (their drafts must be grammatical) and rejection sampling's (it needs the drafter's distribution)."""
-        drafts = [None] * len(batch)
         if not self.suffix_drafts:
-            return drafts
-        for i, seq in enumerate(batch):
-            if seq.grammar is None and seq.params.acceptance_kind != "rejection":
-                seq.history = seq.history or TokenHistory()
-                seq.history.sync(seq.prompt_ids, seq.output_ids)
-                drafts[i] = seq.history.propose(min(self.block_size, self._remaining(seq)) - 1)
-        return drafts
+            return [None] * len(batch)
+        return drafts_of(batch, [min(self.block_size, self._remaining(s)) - 1 for s in batch], self.shared_responses)
 
     def _plan(self, batch: list[Sequence], suffix: list[SuffixDraft | None]) -> StepPlan:
         if self.policy is None:
@@ -531,6 +523,8 @@ class SpeculativeEngine:
             self.context.flush([seq])
         self.context.drop(seq)
         self._cache_blocks(seq)
+        if self.shared_responses is not None:
+            self.shared_responses.add(seq.output_ids)
         self.scheduler.finish(seq, reason)
 
     def _profile_step_costs(self) -> StepCosts:

@@ -99,6 +99,7 @@ class StepReport:
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     kv_events_dropped: int = 0  # steps whose prefix-cache events the publisher dropped (kv_events.py)
+    shared_suffix_tokens: int = 0  # earlier requests' output tokens held for suffix drafts (suffix_drafts.py)
     # draft source ("drafter", "suffix", "none") -> {"steps", "drafted", "accepted"} (DraftSources.summary)
     draft_sources: dict[str, dict[str, int]] = field(default_factory=dict)
     # per request, as vLLM's request_queue_time and request_prefill_time: the requests first scheduled in this step,
@@ -430,6 +431,7 @@ class EngineLoop:
             prefix_hit_tokens=occupancy.prefix_hit_tokens,
             preemptions=occupancy.preemptions,
             kv_events_dropped=self.kv_events.dropped if self.kv_events is not None else 0,
+            shared_suffix_tokens=self.engine.shared_responses.held if self.engine.shared_responses else 0,
             draft_sources=self.engine.draft_sources.summary(),
             request_queue_seconds=queue_seconds,
             request_prefill_seconds=prefill_seconds,

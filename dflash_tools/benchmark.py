@@ -253,8 +253,9 @@ def run(args) -> dict:
         for temperature in args.temperature:
             sampling = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed) \
                 if temperature > 0 else None
-            for name, prompts in sets.items():
+            for name, prompts in ((n, p) for _ in range(args.rounds) for n, p in sets.items()):
                 label = name if sampling is None else f"{name} T={temperature:g}"
+                label += f" round {round_of(results, label)}" if args.rounds > 1 else ""
                 results[label] = measure(pipe, hf, autoregressive, dflash, prompts, args.max_new_tokens, label,
                                          sampling, llama)
                 if args.batch and sampling is None:
@@ -277,6 +278,12 @@ def run(args) -> dict:
 
 
 AUTO_SHARPNESS = "auto"
+SHARED_SUFFIX_TOKENS = 65536  # --suffix-drafts shared: earlier answers held per mode (256 KB)
+
+
+def round_of(results: dict, label: str) -> int:
+    """The round a set's next run is: 1 + the runs of it already in `results`."""
+    return 1 + sum(1 for name in results if name.startswith(f"{label} round "))
 
 
 def sharpness_argument(text: str) -> str:
@@ -295,7 +302,8 @@ def sharpness_argument(text: str) -> str:
 def modes(args) -> list[tuple[str, int | str, dict]]:
     """(label, block size, engine options) per DFlash mode: every block size with every speculative sampling
     method, for "exact" every draft sharpness, and for "auto" with and without suffix drafts as asked. A label
-    names only what varies ("auto" with suffix drafts, "auto drafter-only" without)."""
+    names only what varies ("auto" with suffix drafts, "auto drafter-only" without, "auto shared" with drafts from
+    earlier answers too)."""
     result = []
     for block_size in dict.fromkeys(args.block_size):
         for method in dict.fromkeys(args.speculative_sampling):
@@ -306,9 +314,10 @@ def modes(args) -> list[tuple[str, int | str, dict]]:
                         label += f" {method}"
                     if sharpness is not None and len(args.draft_sharpness) > 1:
                         label += f" sharpness {sharpness}"
-                    if suffix == "off" and block_size == AUTO_BLOCK_SIZE:
-                        label += " drafter-only"
-                    options = {"speculative_sampling": method, "suffix_drafts": suffix == "on"}
+                    if suffix != "on" and block_size == AUTO_BLOCK_SIZE:
+                        label += " drafter-only" if suffix == "off" else " shared"
+                    options = {"speculative_sampling": method, "suffix_drafts": suffix != "off",
+                               "shared_suffix_tokens": SHARED_SUFFIX_TOKENS if suffix == "shared" else 0}
                     if sharpness not in (None, AUTO_SHARPNESS):
                         options["draft_sharpness"] = float(sharpness)
                     result.append((label, block_size, options))
@@ -399,9 +408,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "target's noise, 0 drafts the drafter's argmax, between: sharper couplings; auto "
                              "(default): the engine learns which of "
                              f"{', '.join(f'{c:g}' for c in DRAFT_SHARPNESS_CHOICES)} guesses best")
-    parser.add_argument("--suffix-drafts", nargs="+", choices=["on", "off"], default=["on"],
-                        help="for --block-size auto: draft-free suffix drafts on (the default), off (the drafter "
-                             "only), or both as two modes side by side")
+    parser.add_argument("--suffix-drafts", nargs="+", choices=["on", "off", "shared"], default=["on"],
+                        help="for --block-size auto: draft-free suffix drafts on (the default: a request's own "
+                             "text), off (the drafter only), shared (also earlier answers of the same mode, "
+                             f"{SHARED_SUFFIX_TOKENS} tokens of them: dflash-build --shared-suffix-tokens), or "
+                             "several as modes side by side")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="ask every set this many times in a row (round 2 on: the same requests again, as a "
+                             "retry or an agent re-emitting its file would; labelled 'SET round N'); default 1")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
     parser.add_argument("--vs-llama-cpp", action="store_true",
                         help="also run llama.cpp (llama-cpp-python, the optional `llama` extra) on the GGUF the target "
@@ -422,7 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     try:
         summary = run(args)
     except DFlashError as e:

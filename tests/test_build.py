@@ -186,6 +186,9 @@ def test_a_dry_run_names_every_missing_checkpoint_and_how_to_fetch_them(tmp_path
     (["--max-queue-size", "-1"], "--max-queue-size must be >= 0, got -1"),
     (["--calib-samples", "0", "--quant", "fp8"], "--calib-samples must be >= 1, got 0"),
     (["--sanity-tokens", "-1"], "--sanity-tokens must be >= 0, got -1"),
+    (["--shared-suffix-tokens", "-1"], "--shared-suffix-tokens must be >= 0, got -1"),
+    (["--shared-suffix-tokens", "4096", "--no-suffix-drafts"], "suffix drafts on (no --no-suffix-drafts)"),
+    (["--shared-suffix-tokens", "1"], "room for 2 tokens at least"),
     (["--max-context", "1"], "--max-context 1 leaves no room for a prompt and a block: use 40 or more"),
     (["--max-context", "1000000", "--dry-run"], "--max-context 1000000 is beyond this target's 8192 positions"),
     # the hint names a flag that exists, and that flag works (test_check_...)

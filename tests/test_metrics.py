@@ -287,7 +287,7 @@ def test_every_series_of_ours_is_labelled_with_the_served_model_name(served):
             if name.startswith(("dflash_", "vllm:"))]
     families = {name.split("_bucket")[0] for name, _ in ours}
     assert {"dflash_requests_total", "dflash_generated_tokens_total", "dflash_gateway_requests_total",
-            "dflash_request_queue_time_seconds", "vllm:num_requests_waiting"} <= families
+            "dflash_request_queue_time_seconds", "dflash_shared_suffix_tokens", "vllm:num_requests_waiting"} <= families
     unlabelled = {name for name, labels in ours if labels.get("model_name") != "smollm2-135m"}
     assert not unlabelled, unlabelled
 

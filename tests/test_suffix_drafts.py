@@ -5,42 +5,100 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from conftest import BLOCK, PROMPTS, load_pair
 from dflash_runtime import SamplingParams, SpeculativeEngine
-from dflash_runtime.suffix_drafts import MAX_MATCH, MAX_OCCURRENCES, MIN_PROBABILITY, SuffixDraft, TokenHistory
+from dflash_runtime.suffix_drafts import (MAX_MATCH, MAX_OCCURRENCES, MIN_PROBABILITY, MIN_SHARED_MATCH, SEPARATOR,
+                                         SharedResponses, SuffixDraft, TokenHistory)
 from dflash_runtime.sampling import SamplingStats
 from dflash_runtime.verify_length import StepCosts, VerifyLengthPolicy, doubling, expected_tokens, match_bucket
 
 LENGTHS = doubling(BLOCK)
 
 
-def brute_force(text: list[int], max_tokens: int) -> SuffixDraft | None:
+def brute_force(text: list[int], max_tokens: int, corpus: list[int] | None = None) -> SuffixDraft | None:
     """The module's rule, written the slow way: every suffix length tried from the longest, every occurrence
-    compared token by token."""
+    compared token by token; in the text itself before its newest token, or in `corpus` (responses each followed
+    by SEPARATOR)."""
     n = len(text)
-    for match in range(min(MAX_MATCH, n - 1), 0, -1):
-        ends = [i for i in range(match - 1, n - 1) if text[i - match + 1:i + 1] == text[n - match:]]
+    own = corpus is None
+    corpus = text if own else corpus
+    for match in range(min(MAX_MATCH, n - 1 if own else n), 0, -1):
+        ends = [i for i in range(match - 1, n - 1 if own else len(corpus))
+                if corpus[i - match + 1:i + 1] == text[n - match:]]
         if ends:
             break
     else:
         return None
     tokens, probabilities, probability, follow = [], [], 1.0, [i + 1 for i in ends[-MAX_OCCURRENCES:]]
     while len(tokens) < max_tokens:
-        follow = [i for i in follow if i < n]
+        follow = [i for i in follow if i < len(corpus) and corpus[i] != SEPARATOR]
         if not follow:
             break
-        counts = Counter(text[i] for i in follow)
+        counts = Counter(corpus[i] for i in follow)
         best = max(counts.values())
-        token = text[max(i for i in follow if counts[text[i]] == best)]  # ties: the most recent occurrence's
+        token = corpus[max(i for i in follow if counts[corpus[i]] == best)]  # ties: the most recent occurrence's
         probability *= best / len(follow)
         if probability < MIN_PROBABILITY:
             break
         tokens.append(token)
         probabilities.append(probability)
-        follow = [i + 1 for i in follow if text[i] == token]
+        follow = [i + 1 for i in follow if corpus[i] == token]
     return SuffixDraft(tokens, probabilities, match) if tokens else None
+
+
+def test_drafts_from_earlier_responses_match_a_brute_force_search():
+    """Responses in the shared ring (no wrap yet): the same rule over them, no match across two of them; the request
+    takes the draft of the longer match (one of MIN_SHARED_MATCH tokens at least from earlier answers), then the
+    surer one, its own on a tie."""
+    rng = random.Random(7)
+    for trial in range(300):
+        alphabet = rng.choice([2, 3, 6, 50])
+        responses = [[rng.randrange(alphabet) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 6))]
+        shared = SharedResponses(1000)
+        for response in responses:
+            shared.add(response)
+        corpus = [t for response in responses for t in (*response, SEPARATOR)]
+        assert shared.tokens[:len(corpus)].tolist() == corpus and shared.held == len(corpus) - len(responses)
+        text = [rng.randrange(alphabet) for _ in range(rng.randint(1, 30))]
+        if trial % 2:  # the request is re-emitting part of an earlier response
+            source = rng.choice(responses)
+            start = rng.randrange(len(source))
+            text += source[start:start + rng.randint(1, 12)]
+        history = TokenHistory()
+        history.sync(text, [])
+        max_tokens = rng.randint(1, 16)
+        theirs = brute_force(text, max_tokens, corpus)
+        ours = shared.propose(history.tokens[:history.length], max_tokens)
+        assert (ours is None) == (theirs is None), (text, responses)
+        if ours is not None:
+            assert (ours.tokens, ours.match_length) == (theirs.tokens, theirs.match_length), (text, responses)
+            assert ours.probabilities == pytest.approx(theirs.probabilities)
+        own = brute_force(text, max_tokens)
+        strength = (lambda d: (d.match_length, sum(d.probabilities)))  # the longer match, then the surer draft
+        expected = own if theirs is None or theirs.match_length < MIN_SHARED_MATCH or (
+            own is not None and strength(own) >= strength(theirs)) else theirs
+        chosen = history.propose(max_tokens, shared)
+        assert (chosen and (chosen.tokens, chosen.match_length)) == (expected and (expected.tokens,
+                                                                                   expected.match_length))
+
+
+def test_the_shared_ring_keeps_the_newest_responses_within_its_capacity():
+    shared = SharedResponses(64)
+    responses = [[100 + i] * 10 + list(range(i, i + 5)) for i in range(20)]  # 15 tokens + a separator each
+    for response in responses:
+        shared.add(response)
+        assert shared.held == int((shared.tokens != SEPARATOR).sum()) <= 63
+    assert shared.tokens.nbytes == 64 * 4  # never grows
+    newest = responses[-1]
+    assert shared.propose(np.array(newest[:10]), 5).tokens == newest[10:15]  # held, drafted whole
+    assert shared.propose(np.array(responses[0][:10]), 5) is None  # the oldest was overwritten
+    shared.add(list(range(1000, 1200)))  # longer than the ring: its last 63 tokens
+    assert shared.held == 63 and shared.propose(np.array([1150]), 4).tokens == [1151, 1152, 1153, 1154]
+    with pytest.raises(ValueError, match="2 tokens at least"):
+        SharedResponses(1)
 
 
 @pytest.mark.parametrize("alphabet", [2, 3, 6, 50])
@@ -167,3 +225,20 @@ def test_repeating_text_is_drafted_without_the_drafter_and_stays_lossless(tiny):
     assert seqs[0].stats.sources.steps["suffix"] > 0 and seqs[0].stats.sources.accepted["suffix"] > 0
     off = SpeculativeEngine(target, drafter, max_batch_size=2, suffix_drafts=False).generate(prompts, params)
     assert [s.output_ids for s in off] == plain and not any(s.stats.sources.steps["suffix"] for s in off)
+
+
+def test_an_earlier_answer_is_drafted_for_a_later_request_only_where_asked(tiny):
+    """The same question twice: with a shared store, the second answer is drafted from the first (it is the same
+    text) and verified, token-identical to plain decoding; without one (the default), nothing crosses requests."""
+    target, drafter = load_pair(tiny)
+    params = [SamplingParams(max_new_tokens=60, ignore_eos=True)]
+    plain = SpeculativeEngine(target, block_size=1).generate([PROMPTS[2]], params)[0].output_ids
+    again = {}
+    for shared in (0, 4096):
+        engine = SpeculativeEngine(target, drafter, max_batch_size=2, shared_suffix_tokens=shared)
+        first, again[shared] = (engine.generate([PROMPTS[2]], params)[0] for _ in range(2))
+        assert first.output_ids == again[shared].output_ids == plain
+    assert engine.shared_responses.held == 2 * len(plain)
+    own, across = (again[shared].stats.sources.accepted["suffix"] for shared in (0, 4096))
+    assert across >= len(plain) // 2 > own, (own, across)  # 42 and 3 of 60 when written
+    assert SpeculativeEngine(target, drafter, max_batch_size=2).shared_responses is None

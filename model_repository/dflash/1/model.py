@@ -64,7 +64,8 @@ class TritonPythonModel:
                                    kv_cache_tokens=int(params["kv_cache_tokens"]),
                                    prefill_chunk=int(params["prefill_chunk"]) or None,
                                    prefix_caching=params["prefix_caching"] == "true",
-                                   suffix_drafts=params.get("suffix_drafts", "true") == "true")
+                                   suffix_drafts=params.get("suffix_drafts", "true") == "true",
+                                   shared_suffix_tokens=int(params.get("shared_suffix_tokens", "0")))
 
         reports = queue.SimpleQueue()
         self.loop = EngineLoop(make_engine, int(params["max_queue_size"]), on_step=reports.put,
@@ -266,6 +267,9 @@ class EngineMetrics:
         self.queued = family("dflash_queued_sequences", "Requests waiting for a batch slot", G)
         self.kv_cache = family("dflash_kv_cache_utilization", "KV blocks held by running sequences / all blocks", G)
         self.kv_blocks_used = family("dflash_kv_blocks_used", "KV-cache blocks held by running sequences", G)
+        self.shared_suffix_tokens = family("dflash_shared_suffix_tokens", "Earlier requests' output tokens held for "
+                                           "suffix drafts across requests (dflash-build --shared-suffix-tokens caps "
+                                           "them; 4 bytes each)", G)
         self.kv_blocks_free = family("dflash_kv_blocks_free", "KV-cache blocks free (prefix-cached ones included)", G)
         self.prefix_queried = family("dflash_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the "
                                      "prefix cache", C)
@@ -317,6 +321,7 @@ class EngineMetrics:
         self.kv_cache.set(report.kv_cache_utilization)
         self.kv_blocks_used.set(report.kv_blocks_used)
         self.kv_blocks_free.set(report.kv_blocks_free)
+        self.shared_suffix_tokens.set(report.shared_suffix_tokens)
         for name, counter in (("prefix_queried_tokens", self.prefix_queried), ("prefix_hit_tokens", self.prefix_hits),
                               ("preemptions", self.preemptions), ("kv_events_dropped", self.kv_events_dropped)):
             total = getattr(report, name)
