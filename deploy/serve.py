@@ -121,7 +121,8 @@ def start_server(repository: str | Path, http_port: int = PORTS["http"], grpc_po
     """Start tritonserver on `repository` and wait until it is ready, then the OpenAI gateway on openai_port
     (None: no gateway), serving the model as served_model_name (None: the build's, layout.served_name): the OpenAI
     API's model id and the metrics' model_name label. Port 0 picks a free port. A dflash engine step running longer
-    than max(HANG_STEP_MULTIPLE x its usual cost, hang_seconds) makes the server unhealthy; a request waiting longer than queue_timeout for a slot is refused (0: no bound).
+    than max(HANG_STEP_MULTIPLE x its usual cost, hang_seconds) makes the server unhealthy; a request waiting longer
+    than queue_timeout for a slot is refused (0: no bound).
     kv_events_port: publish the prefix cache's changes there (ZMQ PUB, dflash_serving/kv_events.py; None: not at
     all), replays on kv_events_replay_port, under kv_events_topic (default kv@<host name>@<served model>). Every port
     is bound to `host`."""

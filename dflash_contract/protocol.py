@@ -179,9 +179,11 @@ def context_error(prompt_tokens: int, max_tokens: int, limit: int) -> str | None
     """The message for a prompt and max_tokens that do not fit the engine's context of `limit` tokens, or None: what
     a generate request is refused with (the engine says more of a prompt that leaves no room), and a render request."""
     if prompt_tokens >= limit:
-        return f"prompt has {prompt_tokens} tokens; the context limit is {limit} (including at least one generated token)"
+        return (f"prompt has {prompt_tokens} tokens; the context limit is {limit} (including at least one generated "
+                "token)")
     if prompt_tokens + max_tokens > limit:
-        return f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context limit of {limit} tokens"
+        return (f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context limit of {limit} "
+                "tokens")
     return None
 
 

@@ -1,5 +1,6 @@
 """The gateway's own metrics, in Prometheus' text format on its port (GATEWAY_METRICS_PATH, no API key, like the
-health path): requests by endpoint and HTTP status, labelled model_name like every metric of the server, their duration, and the time to the first text of a stream.
+health path): requests by endpoint and HTTP status, their duration, and the time to the first text of a stream,
+labelled model_name as every series of the server is.
 
 The gateway is a process of its own, so it cannot add to tritonserver's metrics port; Prometheus scrapes both
 (the chart's ServiceMonitor). A request the gateway passes on is counted by the server too, as dflash_bls's. No
