@@ -175,6 +175,12 @@ def prompt_size_error(name: str, size: int) -> str | None:
     return f"{name} is {size} bytes (UTF-8), over the limit of {LIMITS.prompt_bytes} bytes per request"
 
 
+def clipped_max_tokens(max_tokens: int, prompt_tokens: int, limit: int) -> int:
+    """A default max_tokens lowered to what a context of `limit` tokens leaves after the prompt, one at least (a
+    prompt that leaves none is refused by context_error)."""
+    return max(1, min(max_tokens, limit - prompt_tokens))
+
+
 def context_error(prompt_tokens: int, max_tokens: int, limit: int) -> str | None:
     """The message for a prompt and max_tokens that do not fit the engine's context of `limit` tokens, or None: what
     a generate request is refused with (the engine says more of a prompt that leaves no room), and a render request."""

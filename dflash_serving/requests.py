@@ -15,8 +15,8 @@ from dflash_contract.chat import parse_template_kwargs, parse_tools
 from dflash_contract.guided_decoding import GUIDE_INPUT, TYPE_INPUT, Guide, guide_of
 from dflash_contract.presets import check_speculative_sampling
 from dflash_contract.protocol import (ALIASES, FIXED_INPUTS, FRONT_INPUTS, PROMPT_INPUTS, REQUIRED_INPUTS,
-                                      parameters_error, parse_messages, prompt_size_error, range_error,
-                                      stop_words_error)
+                                      clipped_max_tokens, parameters_error, parse_messages, prompt_size_error,
+                                      range_error, stop_words_error)
 from dflash_runtime.sampling import SamplingParams
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
@@ -89,7 +89,7 @@ def parse_engine_request(tensor: TensorGetter, max_context: int) -> tuple[list[i
     end_id = scalar(tensor, "end_id")
     max_tokens = int(scalar(tensor, "max_tokens"))
     if scalar(tensor, "clip_max_tokens", False):
-        max_tokens = max(1, min(max_tokens, max_context - ids.shape[1]))
+        max_tokens = clipped_max_tokens(max_tokens, ids.shape[1], max_context)
     params = SamplingParams(
         max_new_tokens=max_tokens,
         min_new_tokens=aliased(tensor, "min_tokens") or 0,

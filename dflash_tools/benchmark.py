@@ -22,6 +22,7 @@ Example, the drafts' survival under sampling:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -253,9 +254,9 @@ def run(args) -> dict:
         for temperature in args.temperature:
             sampling = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed) \
                 if temperature > 0 else None
-            for name, prompts in ((n, p) for _ in range(args.rounds) for n, p in sets.items()):
+            for round_, (name, prompts) in itertools.product(range(1, args.rounds + 1), sets.items()):
                 label = name if sampling is None else f"{name} T={temperature:g}"
-                label += f" round {round_of(results, label)}" if args.rounds > 1 else ""
+                label += f" round {round_}" if args.rounds > 1 else ""
                 results[label] = measure(pipe, hf, autoregressive, dflash, prompts, args.max_new_tokens, label,
                                          sampling, llama)
                 if args.batch and sampling is None:
@@ -279,11 +280,6 @@ def run(args) -> dict:
 
 AUTO_SHARPNESS = "auto"
 SHARED_SUFFIX_TOKENS = 65536  # --suffix-drafts shared: earlier answers held per mode (256 KB)
-
-
-def round_of(results: dict, label: str) -> int:
-    """The round a set's next run is: 1 + the runs of it already in `results`."""
-    return 1 + sum(1 for name in results if name.startswith(f"{label} round "))
 
 
 def sharpness_argument(text: str) -> str:

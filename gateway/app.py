@@ -25,7 +25,7 @@ from clients.errors import (DFlashClientError, IncompleteResponse, InvalidReques
 from clients.params import GenerationParams
 from clients.transport import GrpcTransport, Response
 from dflash_contract.engine_counts import EngineCounts, engine_counts
-from dflash_contract.protocol import LIMITS, context_error, invalid_request
+from dflash_contract.protocol import LIMITS, clipped_max_tokens, context_error, invalid_request
 from dflash_contract.server import GATEWAY_HEALTH_PATH, GATEWAY_METRICS_PATH
 
 from . import answers, api
@@ -150,9 +150,11 @@ def _add_render_endpoints(app: FastAPI, settings: Settings, transport: dict[str,
 
 
 def _check_context(prompt_tokens: int, params: GenerationParams, limit: int) -> None:
-    """The engine's refusal of a prompt and max_tokens over its context, as generate answers it (a clipped max_tokens
-    is lowered to what the prompt leaves, one token at least)."""
-    detail = context_error(prompt_tokens, 1 if params.clip_max_tokens else params.max_tokens, limit)
+    """The engine's refusal of a prompt and max_tokens over its context, as generate answers it."""
+    max_tokens = params.max_tokens
+    if params.clip_max_tokens:  # as the dflash model lowers it (dflash_serving.requests)
+        max_tokens = clipped_max_tokens(max_tokens, prompt_tokens, limit)
+    detail = context_error(prompt_tokens, max_tokens, limit)
     if detail:
         raise api.invalid(invalid_request(detail), api.param_of(invalid_request(detail)))
 
