@@ -171,6 +171,11 @@ The build Job's flags: from model.* and server.*, then build.args (checked in df
 {{- toJson $args }}
 {{- end }}
 
+{{/* The endpoint picker's objects' name (endpoint-picker.yaml), which the InferencePool names too. */}}
+{{- define "dflash.pickerName" -}}
+{{ include "dflash.fullname" . }}-picker
+{{- end }}
+
 {{/* The endpoint picker's ext-proc port, where the Inference Gateway asks it for a pod (its default, 9002). */}}
 {{- define "dflash.pickerGrpcPort" -}}
 9002
