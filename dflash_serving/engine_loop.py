@@ -413,7 +413,7 @@ class EngineLoop:
 
     def _report(self, outputs: list[StepOutput], cancelled: int, phases: dict[str, float],
                 queue_seconds: list[float], prefill_seconds: list[float]) -> StepReport:
-        occupancy = self.engine.occupancy()
+        occupancy = self._occupancy  # the engine's, taken after this iteration's step
         stepped = bool(phases)  # an iteration that ran no step must not report the last step's figures again
         return StepReport(
             acceptance_lengths=[o.acceptance_length for o in outputs if o.acceptance_length is not None],
