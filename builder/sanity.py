@@ -24,6 +24,7 @@ def sanity_run(build: Path, opts: BuildOptions, has_drafter: bool, block_size: i
     VERIFY_PROFILE_FILE for the server. Without a drafter: plain decoding only, its speed (the build loads
     and generates; there is nothing to compare)."""
     from dflash_runtime.pipeline import load_pipeline
+    from dflash_runtime.verify_length import auto_in_words
     from dflash_tools.benchmark import measure
 
     drafter = str(build / DRAFTER_DIR) if has_drafter else None
@@ -60,4 +61,7 @@ def sanity_run(build: Path, opts: BuildOptions, has_drafter: bool, block_size: i
         (build / VERIFY_PROFILE_FILE).write_text(json.dumps(profile, indent=2) + "\n")
         rates = [round(p, 4) for p in dflash.policy.acceptance["greedy"].rates()]  # the sanity run is greedy
         result["verify_profile"] = {**profile, "acceptance_rates": rates}
+        # in words, from the costs the engine ended with (its steps' timings over the profile's): the console
+        # prints this line of the manifest, so the two cannot disagree
+        result["auto"] = auto_in_words(dflash.policy.costs, result["dflash"][str(block_size)]["by_source"])
     return result

@@ -6,7 +6,6 @@ import shlex
 from pathlib import Path
 
 from dflash_contract.layout import REPOSITORY_DIR
-from dflash_runtime.verify_length import StepCosts, auto_in_words
 
 
 MEASURED_WITH = {"fake_quant": "on the fake-quantized model (ModelOpt's emulation of the GPU's arithmetic)",
@@ -81,8 +80,8 @@ def sanity_rows(sanity: dict, options: dict, trtllm: dict | None) -> list[tuple[
                        f"token-identical {sanity['token_identical_prompts']}"
                        + (f" (our PyTorch runtime here, {options['dtype']} on {options['device']})"
                           if trtllm else ""))]
-    if sanity.get("verify_profile"):
-        rows.append(("auto", auto_in_words(StepCosts.from_json(sanity["verify_profile"]), dflash["by_source"])))
+    if sanity.get("auto"):
+        rows.append(("auto", sanity["auto"]))
     if sanity.get("cpu_weights"):
         rows.append(("cpu weights", sanity["cpu_weights"]))
     if sanity.get("cpu_weights_quality"):

@@ -44,7 +44,8 @@ from .step_graphs import StepGraphs, batch_bucket, length_bucket, length_buckets
 from .suffix_drafts import SharedResponses, SuffixDraft, drafts_of
 from .target import TargetModel
 from .token_choices import SampledRows, TokenChoices
-from .verify_length import StepCosts, StepPlan, VerifyLengthPolicy, device_signature, doubling, match_bucket
+from .verify_length import (StepCosts, StepPlan, VerifyLengthPolicy, device_signature, doubling, match_bucket,
+                           profiled_costs)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class SpeculativeEngine:
                  grammars: GrammarCompiler | None = None, suffix_drafts: bool = True, shared_suffix_tokens: int = 0):
         """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
         length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
-        to start "auto" from, used if it was made on this device (else the engine profiles itself).
+        to start "auto" from, used if it was made on this device and settled (else the engine profiles itself).
         decode: token ids -> text, needed only for stop strings. static_shapes: run steps over fixed
         shapes, as CUDA graphs on a GPU (default: on CUDA unless DFLASH_CUDA_GRAPHS=0; on a CPU it
         only pads, which the tests use to check the graphs' functions). draft_sharpness: how exact sampling
@@ -131,7 +132,7 @@ class SpeculativeEngine:
             if self.graphs.capture:
                 self._capture_graphs()
             if adaptive:
-                if step_costs is None or step_costs.device != device_signature(self.device):
+                if step_costs is None or step_costs.unsettled or step_costs.device != device_signature(self.device):
                     step_costs = self._profile_step_costs()
                 self.policy = VerifyLengthPolicy(self.block_size, step_costs, self.verify_lengths)
 
@@ -528,37 +529,30 @@ class SpeculativeEngine:
         self.scheduler.finish(seq, reason)
 
     def _profile_step_costs(self) -> StepCosts:
-        """Seconds of a step at each verify length for batch sizes 1, 2, 4, ... max_batch_size, timed on
-        short dummy sequences that are dropped afterwards (a few seconds on a CPU); and of its verify alone (what
-        a step verifying suffix drafts costs)."""
+        """Seconds of a step at each verify length for batch sizes 1, 2, 4, ... max_batch_size, with and without
+        the drafter's pass (what a step verifying suffix drafts costs), timed in rounds (verify_length.
+        profiled_costs) on short dummy sequences that are dropped afterwards (a few seconds on a CPU)."""
         vocab, prompt_length = self.target.config.shape.vocab_size, min(16, self.max_context - 1)
-        profile, verify_profile = {}, {}
-        for batch_size in doubling(self.scheduler.num_slots):
-            for _ in range(batch_size):
-                self.scheduler.add(Sequence([t % vocab for t in range(prompt_length)], SamplingParams()))
-            for seq in self.scheduler.admit():
-                seq.output_ids += self._prefill([(seq, prompt_length)])[0][0]  # not committed: a dummy may not stop
-            batch = list(self.scheduler.running)
-            timed = {k: self._time_speculate(batch, k) for k in doubling(self.block_size)}
-            for k in [k for k in timed if any(timed[k][0] > timed[j][0] for j in timed if j > k)]:
-                again = self._time_speculate(batch, k)  # slower than a longer step: timed again, once
-                timed[k] = min(timed[k][0], again[0]), min(timed[k][1], again[1])
-            profile[batch_size] = {k: step for k, (step, _) in timed.items()}
-            verify_profile[batch_size] = {k: verify for k, (_, verify) in timed.items()}
-            for seq in batch:
-                self.scheduler.finish(seq, "cancelled")
-        self.block_manager.queried_tokens = self.block_manager.hit_tokens = 0  # the dummies' lookups are not traffic
-        return StepCosts(device_signature(self.device), profile, verify_profile)
 
-    def _time_speculate(self, batch: list[Sequence], k: int, repeats: int = 2) -> tuple[float, float]:
-        """The fastest of `repeats` steps of length k with the drafter (noise on a shared machine only adds time),
-        after one to warm up, and the fastest of their verify passes; nothing is committed."""
-        steps, verifies = [], []
-        for _ in range(repeats + 1):
-            self._speculate(batch, StepPlan(k, k > 1), [None] * len(batch))
-            steps.append(self.last_step_seconds["draft"] + self.last_step_seconds["verify"])
-            verifies.append(self.last_step_seconds["verify"])
-        return min(steps[1:]), min(verifies[1:])
+        def time_step(batch_size: int, k: int) -> tuple[float, float]:
+            if len(self.scheduler.running) != batch_size:  # a new batch size: the last one's dummies go
+                for seq in list(self.scheduler.running):
+                    self.scheduler.finish(seq, "cancelled")
+                for _ in range(batch_size):
+                    self.scheduler.add(Sequence([t % vocab for t in range(prompt_length)], SamplingParams()))
+                for seq in self.scheduler.admit():  # not committed: a dummy may not stop
+                    seq.output_ids += self._prefill([(seq, prompt_length)])[0][0]
+            batch = list(self.scheduler.running)
+            self._speculate(batch, StepPlan(k, k > 1), [None] * batch_size)
+            seconds = self.last_step_seconds
+            return seconds["draft"] + seconds["verify"], seconds["verify"]
+
+        costs = profiled_costs(device_signature(self.device), doubling(self.scheduler.num_slots),
+                               doubling(self.block_size), time_step)
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq, "cancelled")
+        self.block_manager.queried_tokens = self.block_manager.hit_tokens = 0  # the dummies' lookups are not traffic
+        return costs
 
     def _to_device(self, data) -> torch.Tensor:
         return to_device(data, self.device)

@@ -4,9 +4,14 @@ A step with verify length k checks the newest token plus k - 1 drafts in one tar
 the drafter (plain decoding). Output is the target's own either way, so k may change every step.
 
 - Cost: the seconds of a step (draft + verify, or the verify alone when only suffix drafts are verified) at
-  batch size B and length k. A short profile when the engine starts gives every (B, k) a figure, monotone in k;
-  each step's own timing then corrects its entry, the first ones most. A plain step is taken at least every
-  PLAIN_EVERY steps: its cost is what every other is weighed against, and a busy host may have profiled it wrong.
+  batch size B and length k. A short profile when the engine starts gives every (B, k) a figure: the median of
+  rounds that time every length in turn (a neighbour's burst then slows one round, not one length), re-measured
+  while a plain step times dearer than a longer one or the rounds disagree, and after PROFILE_MAX_ROUNDS marked
+  unsettled: then a step of k is priced as k plain steps (plain decoding) until a full block's step is measured,
+  which the first step at each batch size spends, and lengths between on the line up to it. Each step's own
+  timing overrules the profile: the lower of the two after one or two steps (noise only adds time), the median of
+  the last OBSERVED_WINDOW from the third. A plain step is taken at the FIRST_PLAIN-th step, then twice as late
+  each time up to every PLAIN_EVERY: its cost is what every other is weighed against.
 - Acceptance: p_j, the chance that draft j is accepted given drafts 1..j-1 were. DFlash's p_j falls
   along the block, so it is kept per position: counted over recent steps of all requests (older
   counts fade), apart for greedy requests and for each speculative sampling method (sampling accepts
@@ -24,17 +29,25 @@ from __future__ import annotations
 
 import math
 import platform
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
+from statistics import median
+from typing import Callable
 
 import torch
 
 EXPLORE_BUDGET = 0.01  # share of step time that exploration may cost
-COST_SMOOTHING = 0.2  # weight of a new timing in its (B, k) estimate, once it has a few (before: 1/2, 1/3, 1/4)
-# A plain step among this many at least (the first: the FIRST_PLAIN-th step): its cost is the yardstick of every
-# other, and a profile made on a busy host may have it wrong; a step that is never taken is never corrected.
+OBSERVED_WINDOW = 9  # a (B, k)'s cost: the median of its last steps, once it has OVERRULE_AFTER
+OVERRULE_AFTER = 3
+PROFILE_ROUNDS = 3  # rounds of every length per profiled batch size, more while unsettled, up to
+PROFILE_MAX_ROUNDS = 9
+PROFILE_SPREAD = 0.25  # a length's rounds may differ from their median by this share (median absolute deviation)
+PROFILE_SLACK = 0.10  # and a plain step this much slower than a longer one (a GPU's lengths cost alike)
+# A plain step among this many at least (the first: the FIRST_PLAIN-th step, then 2x, 4x ... later): its cost is
+# the yardstick of every other, and a profile made on a busy host may have it wrong; a step never taken is never
+# corrected.
 PLAIN_EVERY = 50
-FIRST_PLAIN = 8
+FIRST_PLAIN = 4
 ACCEPTANCE_MEMORY = 0.995  # per observation: counts fade with a horizon of ~200 observations per position
 REQUEST_PRIOR_WEIGHT = 8.0  # a request's own counts weigh as much as the global estimate after 8 observations
 
@@ -57,16 +70,17 @@ def device_signature(device: torch.device) -> str:
 
 @dataclass
 class StepCosts:
-    """Seconds per step by (batch size, verify length, whether the drafter ran): a profile, corrected by observed
+    """Seconds per step by (batch size, verify length, whether the drafter ran): a profile, overruled by observed
     steps. A step that verifies a draft the drafter did not make (a suffix draft, suffix_drafts.py) costs its
-    verify alone."""
+    verify alone. unsettled: why the profile could not be trusted (profiled_costs), or ""."""
 
     device: str
     profile: dict[int, dict[int, float]]  # profiled batch size -> k -> seconds of a step (with the drafter's pass)
     verify_profile: dict[int, dict[int, float]] = field(default_factory=dict)  # ... of its verify alone
+    unsettled: str = ""
     observed: dict[tuple[int, int, bool], float] = field(default_factory=dict)
     profiled: dict[tuple[int, int, bool], float] = field(default_factory=dict, init=False, repr=False, compare=False)
-    observations: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
+    windows: dict[tuple[int, int, bool], deque] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         """Each batch size's seconds made monotone in k (monotone_in_length), whoever made the profile."""
@@ -78,31 +92,96 @@ class StepCosts:
         key = batch_size, k, drafted and k > 1
         if key in self.observed:
             return self.observed[key]
-        if key not in self.profiled:  # interpolated once: a step asks for every length
+        return self._prior(key)
+
+    def _prior(self, key: tuple[int, int, bool]) -> float:
+        """The profile's figure (interpolated once: a step asks for every length). An unsettled profile prices a
+        step of k as k plain steps, so that only steps that were measured can make drafting pay: once a full block
+        was, a length between is priced on the line from a plain step to it (a CPU's rows cost alike), with or
+        without the drafter's pass."""
+        if key not in self.profiled:
+            batch_size, k, drafted = key
+            if self.unsettled and k > 1:
+                one, full = self.seconds(batch_size, 1), self.full_block
+                block = self.observed.get((batch_size, full, True))
+                return k * one if block is None else one + (block - one) * (k - 1) / (full - 1)
             alone = k > 1 and not drafted and self.verify_profile  # a verify without the drafter's pass
-            profile = self.verify_profile if alone else self.profile
-            self.profiled[key] = _interpolated(profile, batch_size, k)
+            self.profiled[key] = _interpolated(self.verify_profile if alone else self.profile, batch_size, k)
         return self.profiled[key]
 
     def observe(self, batch_size: int, k: int, seconds: float, drafted: bool = True) -> None:
-        """A step's own timing: the first ones move the estimate most (they overrule a profile within a few
-        steps), later ones by COST_SMOOTHING."""
+        """A step's own timing. A busy host only ever adds time: the first two steps overrule the profile where
+        they ran faster, and from the third the profile no longer counts (the median of the last few steps)."""
         key = batch_size, k, drafted and k > 1
-        old = self.seconds(*key)
-        self.observations[key] += 1
-        self.observed[key] = old + max(COST_SMOOTHING, 1 / (self.observations[key] + 1)) * (seconds - old)
+        window = self.windows.setdefault(key, deque(maxlen=OBSERVED_WINDOW))
+        window.append(seconds)
+        measured = median(window)
+        self.observed[key] = measured if len(window) >= OVERRULE_AFTER else min(measured, self._prior(key))
+
+    @property
+    def full_block(self) -> int:
+        return max(self.profile[min(self.profile)])
+
+    def measured(self, batch_size: int, k: int, drafted: bool = True) -> int:
+        """How many of the last steps of this kind were timed (at most OBSERVED_WINDOW)."""
+        return len(self.windows.get((batch_size, k, drafted and k > 1), ()))
 
     def to_json(self) -> dict:
         def rounded(profile):
             return {str(b): {str(k): round(s, 6) for k, s in ks.items()} for b, ks in profile.items()}
         return {"device": self.device, "seconds": rounded(self.profile),
-                "verify_seconds": rounded(self.verify_profile)}
+                "verify_seconds": rounded(self.verify_profile), "unsettled": self.unsettled}
 
     @classmethod
     def from_json(cls, data: dict) -> "StepCosts":
         def parsed(profile):
             return {int(b): {int(k): float(s) for k, s in ks.items()} for b, ks in profile.items()}
-        return cls(str(data["device"]), parsed(data["seconds"]), parsed(data.get("verify_seconds", {})))
+        return cls(str(data["device"]), parsed(data["seconds"]), parsed(data.get("verify_seconds", {})),
+                   str(data.get("unsettled", "")))
+
+
+def profiled_costs(device: str, batch_sizes: tuple[int, ...], lengths: tuple[int, ...],
+                   time_step: Callable[[int, int], tuple[float, float]]) -> StepCosts:
+    """StepCosts from timing steps: time_step(batch size, k) -> (seconds of a step of k with the drafter's pass,
+    of its verify pass); the caller readies each batch size's sequences before its first call. Per batch size:
+    one warm-up step per length, then rounds of every length in turn, PROFILE_ROUNDS at a time until the
+    medians are settled (profile_problem) or PROFILE_MAX_ROUNDS were spent; then the medians, with the first
+    problem left."""
+    profile, verify_profile, problems = {}, {}, []
+    for batch_size in batch_sizes:
+        for k in lengths:
+            time_step(batch_size, k)
+        steps, verifies = defaultdict(list), defaultdict(list)
+        while True:
+            for _ in range(PROFILE_ROUNDS):
+                for k in lengths:
+                    step, verify = time_step(batch_size, k)
+                    steps[k].append(step)
+                    verifies[k].append(verify)
+            problem = profile_problem(steps)
+            if not problem or len(steps[lengths[0]]) >= PROFILE_MAX_ROUNDS:
+                break
+        profile[batch_size] = {k: median(times) for k, times in steps.items()}
+        verify_profile[batch_size] = {k: median(times) for k, times in verifies.items()}
+        problems += [f"at batch {batch_size}, {problem}"] if problem else []
+    return StepCosts(device, profile, verify_profile, problems[0] if problems else "")
+
+
+def profile_problem(rounds: dict[int, list[float]]) -> str:
+    """Why step seconds timed in rounds (length -> one figure per round) are too noisy to plan from, or "": a
+    length whose rounds spread beyond PROFILE_SPREAD of their median, or a plain step (the shortest length, the
+    yardstick of the others) timed more than PROFILE_SLACK slower than a longer one: something else slowed it.
+    Between longer lengths an inversion can be real (a kernel of 2 rows slower than one of 4, seen on a CPU);
+    monotone_in_length evens those out."""
+    middle = {k: median(times) for k, times in rounds.items()}
+    for k, times in sorted(rounds.items()):
+        spread = median(abs(t - middle[k]) for t in times) / middle[k]
+        if spread > PROFILE_SPREAD:
+            return f"steps of length {k} varied by {spread:.0%} between rounds"
+    plain, cheapest = min(middle), min((j for j in middle if j > min(middle)), key=middle.get, default=None)
+    if cheapest is not None and middle[plain] > (1 + PROFILE_SLACK) * middle[cheapest]:
+        return f"a step of length {plain} timed {middle[plain] / middle[cheapest]:.2f}x one of {cheapest}"
+    return ""
 
 
 def monotone_in_length(seconds: dict[int, float]) -> dict[int, float]:
@@ -188,11 +267,13 @@ def auto_in_words(costs: StepCosts, sources: dict[str, dict[str, int]]) -> str:
     done = ", ".join(f"{SOURCE_NAMES.get(source, source)} on {s['steps']} of {steps} steps"
                      + (f" ({s['accepted']} of {s['drafted']} drafts accepted)" if s["drafted"] else "")
                      for source, s in sources.items())
-    one, full = costs.seconds(1, 1), max(costs.profile[min(costs.profile)])  # the drafter's block
+    one, full = costs.seconds(1, 1), costs.full_block
+    unsettled = (f" (the start-up timings were too noisy to trust: {costs.unsettled}; until steps measured it, a "
+                 "step of length k was priced as k plain steps)") if costs.unsettled else ""
     return (f"{done or 'no steps'}: here a verify of {full} tokens costs "
             f"{costs.seconds(1, full) / one:.1f}x one token with the drafter's pass, "
-            f"{costs.seconds(1, full, drafted=False) / one:.1f}x without it; a step pays where it brings more "
-            "tokens than it costs")
+            f"{costs.seconds(1, full, drafted=False) / one:.1f}x without it{unsettled}; a step pays where it brings "
+            "more tokens than it costs")
 
 
 def match_bucket(match_length: int) -> int:
@@ -263,11 +344,14 @@ class VerifyLengthPolicy:
                suffix: list[dict[int, float] | None] | None = None) -> StepPlan:
         """The plan for a batch, given each sequence's expected tokens per length (expected_tokens) and with its
         suffix draft where it has one (suffix_expected). A full drafter block is spent now and then to keep the
-        drafter's estimates fresh, and a plain step to keep its cost measured (the module's docstring)."""
+        drafter's estimates fresh (and at once where an unsettled profile left its cost unknown), and a plain step
+        to keep its cost measured (the module's docstring)."""
         batch_size, full = len(expected), self.lengths[-1]
         suffix = suffix or [None] * batch_size
         k, drafted = self.best(batch_size, expected, suffix)
-        if not (k == full and drafted):
+        if self.costs.unsettled and not self.costs.measured(batch_size, full):
+            k, drafted = full, True  # the block measured once: what an unsettled profile prices lengths from
+        elif not (k == full and drafted):
             step_seconds = self.costs.seconds(batch_size, k, drafted)
             extra = self.costs.seconds(batch_size, full) - step_seconds
             self.explore_credit += EXPLORE_BUDGET * step_seconds
@@ -276,8 +360,8 @@ class VerifyLengthPolicy:
                 k, drafted = full, True
         if k > 1:
             self.since_plain[batch_size] += 1
-            measured = self.costs.observations[batch_size, 1, False]
-            if self.since_plain[batch_size] >= (PLAIN_EVERY if measured else FIRST_PLAIN):
+            timed = self.costs.measured(batch_size, 1)
+            if self.since_plain[batch_size] >= min(PLAIN_EVERY, FIRST_PLAIN << timed):
                 k = 1
         if k == 1:
             self.since_plain[batch_size] = 0

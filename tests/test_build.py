@@ -89,8 +89,9 @@ def test_fp8_build_reports_quality_and_stays_lossless(tmp_path, monkeypatch, cap
     words = re.search(r"auto +(.*)", summary(manifest, tmp_path / "fp8")).group(1)
     steps = sum(s["steps"] for s in sanity["dflash"]["auto"]["by_source"].values())
     assert re.fullmatch(rf"(.* on \d+ of {steps} steps.*)+: here a verify of 8 tokens costs [\d.]+x one token with the "
-                        r"drafter's pass, [\d.]+x without it; a step pays where it brings more tokens than it costs",
-                        words), words
+                        r"drafter's pass, [\d.]+x without it( \(the start-up timings were too noisy to trust: .*\))?; "
+                        r"a step pays where it brings more tokens than it costs", words), words
+    assert words == sanity["auto"]  # one source: the manifest's line
     dflash = parse_model_config(tmp_path / "fp8" / "model_repository" / "dflash" / "config.pbtxt")
     assert dflash.parameters["verify_profile"].string_value == "../verify_profile.json"
     assert not list(tmp_path.glob(".*partial*"))

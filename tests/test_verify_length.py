@@ -10,9 +10,9 @@ import torch
 from conftest import BLOCK, EOS, PROMPTS, load_pair
 from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine
 from dflash_runtime.drafter_context import MAX_PENDING_CONTEXT
-from dflash_runtime.verify_length import (EXPLORE_BUDGET, FIRST_PLAIN, PLAIN_EVERY, AcceptanceModel, StepCosts,
-                                          StepPlan, VerifyLengthPolicy, auto_in_words, device_signature, doubling,
-                                          expected_tokens)
+from dflash_runtime.verify_length import (EXPLORE_BUDGET, FIRST_PLAIN, OVERRULE_AFTER, PLAIN_EVERY, PROFILE_MAX_ROUNDS,
+                                          PROFILE_ROUNDS, AcceptanceModel, StepCosts, StepPlan, VerifyLengthPolicy,
+                                          auto_in_words, device_signature, doubling, expected_tokens, profiled_costs)
 
 NEW = 40
 LENGTHS = doubling(BLOCK)  # 1, 2, 4, 8, 16
@@ -120,12 +120,17 @@ def test_the_profile_covers_every_batch_size_and_length(tiny):
     assert set(costs.profile) == {1, 2, 4, 5} and all(set(ks) == set(LENGTHS) for ks in costs.profile.values())
     assert all(s > 0 for ks in costs.profile.values() for s in ks.values())
     assert not engine.has_unfinished() and engine.occupancy().free_slots == 5  # the dummies are gone
-    # a profile made here is taken as it is; one from another device is replaced by a fresh one
-    again = SpeculativeEngine(target, drafter, max_batch_size=5, step_costs=StepCosts.from_json(costs.to_json()))
+    # a settled profile made here is taken as it is (this one may be unsettled on a busy host); one from another
+    # device is replaced by a fresh one
+    made_here = StepCosts.from_json({**costs.to_json(), "unsettled": ""})
+    again = SpeculativeEngine(target, drafter, max_batch_size=5, step_costs=made_here)
     for batch_size, seconds in costs.profile.items():
         assert again.policy.costs.profile[batch_size] == pytest.approx(seconds, abs=1e-6)  # rounded to microseconds
     foreign = StepCosts("NVIDIA H200", {1: {k: 1.0 for k in LENGTHS}})
     assert SpeculativeEngine(target, drafter, max_batch_size=1, step_costs=foreign).policy.costs.device != "NVIDIA H200"
+    # nor is one that was too noisy to trust (a build's sanity run on a busy host): the server profiles again
+    noisy = StepCosts(costs.device, {1: {k: 1.0 for k in LENGTHS}}, unsettled="at batch 1, ...")
+    assert SpeculativeEngine(target, drafter, max_batch_size=1, step_costs=noisy).policy.costs is not noisy
 
 
 def test_statistics_count_only_what_a_step_emitted(tiny):
@@ -221,18 +226,93 @@ def test_a_profile_slowed_at_a_short_length_is_made_monotone():
 
 def test_a_plain_step_is_taken_now_and_then_so_that_its_cost_stays_measured():
     """The profile was made while the host was busy, the one-token step timed at twice its cost: drafting looks
-    cheap, and plain decoding, never taken, would never be corrected. The FIRST_PLAIN-th step is plain, then one
-    at least every PLAIN_EVERY; its timing overrules the profile at once (the first counts half)."""
+    cheap, and plain decoding, never taken, would never be corrected. The FIRST_PLAIN-th step is plain, the next
+    ones twice as late each time, then one at least every PLAIN_EVERY; the first timing overrules the profile at
+    once."""
     costs = StepCosts("test", {1: {1: 2.0, 2: 2.1, 4: 2.2, 8: 2.4, 16: 2.6}})
     policy = VerifyLengthPolicy(BLOCK, costs)
     fair = [expected_tokens([0.3] * 15, LENGTHS, 100)]
     plans = []
-    for _ in range(FIRST_PLAIN + 2 * PLAIN_EVERY):
+    for _ in range(FIRST_PLAIN * 15 + 2 * PLAIN_EVERY):
         plans.append(policy.choose(fair).k)
-        costs.observe(1, plans[-1], 1.0 if plans[-1] == 1 else costs.seconds(1, plans[-1]))
+        costs.observe(1, plans[-1], 1.9 if plans[-1] == 1 else costs.seconds(1, plans[-1]))  # drafts still pay
     plain = [i for i, k in enumerate(plans) if k == 1]
-    assert plain[0] == FIRST_PLAIN - 1 and plain[1] - plain[0] <= PLAIN_EVERY
-    assert costs.seconds(1, 1) < 1.5  # halfway at the first, then on
+    assert plain[:3] == [FIRST_PLAIN - 1, 3 * FIRST_PLAIN - 1, 7 * FIRST_PLAIN - 1]
+    assert all(b - a <= PLAIN_EVERY for a, b in zip(plain, plain[1:])) and plain[-1] - plain[-2] == PLAIN_EVERY
+    assert costs.seconds(1, 1) == 1.9
+
+
+def test_steps_overrule_the_profile_and_noise_only_adds_time():
+    """A step timed faster than the profile overrules it at once; a first step slower than it (a neighbour's
+    burst) does not; from the OVERRULE_AFTER-th on, the median of the last steps, whatever the profile said (the
+    host got busier: plain steps and drafts both cost more now)."""
+    costs = StepCosts("test", {1: {1: 1.0, 2: 2.0}})
+    costs.observe(1, 2, 1.5)
+    assert costs.seconds(1, 2) == 1.5
+    costs.observe(1, 1, 30.0)  # descheduled once
+    assert costs.seconds(1, 1) == 1.0
+    for seconds in [3.0, 3.2, 2.9]:
+        costs.observe(1, 1, seconds)
+    assert costs.measured(1, 1) == OVERRULE_AFTER + 1 and costs.seconds(1, 1) == pytest.approx((3.0 + 3.2) / 2)
+    for _ in range(20):
+        costs.observe(1, 1, 1.2)
+    assert costs.seconds(1, 1) == 1.2  # the burst and the busy spell have left the window
+
+
+class Host:
+    """Steps of a CPU whose verify of k costs k + 1 units with the drafter's pass (k without it), and a plain step
+    2: drafting does not pay at any tau below 1.5. `slow` marks the calls (counted from 0) a neighbour's burst
+    made `slow_by` times dearer."""
+
+    def __init__(self, slow=(), slow_by=10.0):
+        self.calls, self.slow, self.slow_by = [], set(slow), slow_by
+
+    def __call__(self, batch_size, k):
+        base = 2.0 if k == 1 else k + 1.0
+        factor = self.slow_by if len(self.calls) in self.slow else 1.0
+        self.calls.append((batch_size, k))
+        return base * factor, (base if k == 1 else k) * factor
+
+
+def test_a_profile_takes_the_median_of_rounds_of_every_length_in_turn():
+    """A neighbour's burst slows one step: the median of PROFILE_ROUNDS rounds ignores it, and the profile stops
+    there (one warm-up step per length first)."""
+    lengths = (1, 2, 4, 8)
+    host = Host(slow={len(lengths) + 0, len(lengths) + 2 * len(lengths) + 3})  # round 1's plain step, round 3's 8
+    costs = profiled_costs("test", (1,), lengths, host)
+    assert not costs.unsettled and costs.profile == {1: {1: 2, 2: 3, 4: 5, 8: 9}}
+    assert costs.verify_profile == {1: {1: 2, 2: 2, 4: 4, 8: 8}}
+    assert host.calls == [(1, k) for k in lengths] * (1 + PROFILE_ROUNDS)
+
+
+def test_a_profile_that_stays_noisy_is_re_measured_then_falls_back_to_plain_decoding():
+    """A host so busy that the plain step times dearer than drafting in most rounds (the profile that made a server
+    draft on 30 of 34 steps at tau 1.03): rounds are added up to PROFILE_MAX_ROUNDS, then the profile is marked
+    unsettled, a step of k is priced as k plain ones (so nothing drafts on its word), and the words say why.
+    Steps that measure a draft overrule that price like any profile's."""
+    lengths = (1, 2, 4, 8)
+    plain_calls = range(len(lengths), len(lengths) * (1 + PROFILE_MAX_ROUNDS), len(lengths))
+    host = Host(slow=[c for i, c in enumerate(plain_calls) if i % 3], slow_by=8.0)  # two plain steps in three
+    costs = profiled_costs("test", (1, 2), lengths, host)
+    assert costs.unsettled == "at batch 1, a step of length 1 timed 5.33x one of 2"
+    assert len(host.calls) == len(lengths) * (2 + PROFILE_MAX_ROUNDS + PROFILE_ROUNDS)  # batch 2 settled at once
+    plain = costs.seconds(1, 1)
+    assert [costs.seconds(1, k) for k in lengths] == [plain * k for k in lengths]
+    assert [costs.seconds(1, k, drafted=False) for k in lengths] == [plain * k for k in lengths]
+    rates = [0.6] * 7  # tau 2.5 at length 8 if the profile were believed (and it was not measured)
+    policy = VerifyLengthPolicy(8, costs, lengths)
+    assert policy.best(1, [expected_tokens(rates, lengths, 100)]) == (1, True)
+    assert "too noisy to trust: at batch 1, a step of length 1 timed 5.33x one of 2" in auto_in_words(costs, {})
+    assert StepCosts.from_json(costs.to_json()).unsettled == costs.unsettled
+    # the first step measures a full block; lengths between are then priced on the line from a plain step to it
+    assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)]) == StepPlan(8, True)
+    costs.observe(1, 1, 2.0)
+    costs.observe(1, 8, 9.0)
+    assert [costs.seconds(1, k) for k in lengths] == [2.0, 3.0, 5.0, 9.0]
+    assert [costs.seconds(1, k, drafted=False) for k in (2, 4)] == [3.0, 5.0]
+    assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)]) == StepPlan(1, False)  # measured: at length
+    sure = {1: 1.0, 2: 1.95, 4: 3.8, 8: 7.0}  # a suffix draft nearly sure to be accepted now pays
+    assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)], [sure]).suffix_rows == {0}
 
 
 def test_acceptance_is_per_position_and_per_request():
