@@ -20,8 +20,8 @@ def say(stage: str) -> None:
 
 def sanity_run(build: Path, opts: BuildOptions, has_drafter: bool, block_size: int | str, max_context: int) -> dict:
     """Autoregressive vs DFlash on the built artifacts: token identity, tau and speed. With block size
-    auto, the engine's profile of step times (all batch sizes up to the build's) goes to
-    VERIFY_PROFILE_FILE for the server. Without a drafter: plain decoding only, its speed (the build loads
+    auto, the engine's profile of step times (all batch sizes up to the build's) and the acceptance it learned go
+    to VERIFY_PROFILE_FILE for the server. Without a drafter: plain decoding only, its speed (the build loads
     and generates; there is nothing to compare)."""
     from dflash_runtime.pipeline import load_pipeline
     from dflash_runtime.verify_length import auto_in_words
@@ -58,7 +58,10 @@ def sanity_run(build: Path, opts: BuildOptions, has_drafter: bool, block_size: i
                                  "seconds": round(report.seconds, 2)}
     if dflash.policy is not None:
         profile = dflash.policy.costs.to_json()
-        (build / VERIFY_PROFILE_FILE).write_text(json.dumps(profile, indent=2) + "\n")
+        # what the run learned of acceptance goes with it: the server's first requests need not probe the drafter
+        # and the suffix drafts again from the benefit of the doubt
+        learned = {**profile, "acceptance": dflash.policy.learned()}
+        (build / VERIFY_PROFILE_FILE).write_text(json.dumps(learned, indent=2) + "\n")
         rates = [round(p, 4) for p in dflash.policy.acceptance["greedy"].rates()]  # the sanity run is greedy
         result["verify_profile"] = {**profile, "acceptance_rates": rates}
         # in words, from the costs the engine ended with (its steps' timings over the profile's): the console

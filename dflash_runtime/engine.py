@@ -68,10 +68,12 @@ class SpeculativeEngine:
                  step_costs: StepCosts | None = None, static_shapes: bool | None = None,
                  draft_sharpness: float | None = None, speculative_sampling: str = DEFAULT_SPECULATIVE_SAMPLING,
                  kv_cache_tokens: int | None = None, prefix_caching: bool = True, prefill_chunk: int | None = None,
-                 grammars: GrammarCompiler | None = None, suffix_drafts: bool = True, shared_suffix_tokens: int = 0):
+                 grammars: GrammarCompiler | None = None, suffix_drafts: bool = True, shared_suffix_tokens: int = 0,
+                 learned_acceptance: dict | None = None):
         """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
         length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
-        to start "auto" from, used if it was made on this device and settled (else the engine profiles itself).
+        to start "auto" from, used if it was made on this device and settled (else the engine profiles itself);
+        learned_acceptance: what an engine of the same drafter learned of acceptance (VerifyLengthPolicy.learned).
         decode: token ids -> text, needed only for stop strings. static_shapes: run steps over fixed
         shapes, as CUDA graphs on a GPU (default: on CUDA unless DFLASH_CUDA_GRAPHS=0; on a CPU it
         only pads, which the tests use to check the graphs' functions). draft_sharpness: how exact sampling
@@ -122,6 +124,8 @@ class SpeculativeEngine:
         self.shared_responses = SharedResponses.of(shared_suffix_tokens if self.suffix_drafts else 0)
         self.draft_sources = DraftSources()  # every sequence's, summed since the engine started
         self._start_up(adaptive, step_costs)
+        if self.policy is not None and learned_acceptance:
+            self.policy.start_from(learned_acceptance)
 
     def _start_up(self, adaptive: bool, step_costs: StepCosts | None) -> None:
         """What a request would otherwise wait on: KV-injection timings and graph captures on CUDA, the step

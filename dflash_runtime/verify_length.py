@@ -228,6 +228,15 @@ class AcceptanceModel:
             self.reached[j] = self.reached[j] * ACCEPTANCE_MEMORY + 1
             self.accepted[j] = self.accepted[j] * ACCEPTANCE_MEMORY + (j < accepted)
 
+    def to_json(self) -> dict:
+        return {"accepted": [round(a, 3) for a in self.accepted], "reached": [round(r, 3) for r in self.reached]}
+
+    def load(self, counts: dict) -> None:
+        """Counts another engine learned (to_json), for the positions both have."""
+        for mine, theirs in ((self.accepted, counts["accepted"]), (self.reached, counts["reached"])):
+            n = min(len(mine), len(theirs))
+            mine[:n] = [float(c) for c in theirs[:n]]
+
     def rates(self, request_accepted: list[int] = (), request_reached: list[int] = ()) -> list[float]:
         """p_j for one request: its own counts, shrunk towards the global estimate.
 
@@ -313,6 +322,19 @@ class VerifyLengthPolicy:
         self.suffix = defaultdict(lambda: AcceptanceModel(block_size - 1))
         self.explore_credit = 0.0  # seconds of exploration saved up
         self.since_plain = Counter()  # batch size -> steps since its last plain one
+
+    def learned(self) -> dict:
+        """The acceptance counts learned so far, by kind (and match-length bucket for suffix drafts): what another
+        engine of the same drafter starts from (start_from) instead of its benefit of the doubt."""
+        return {"drafter": {kind: model.to_json() for kind, model in self.acceptance.items()},
+                "suffix": {f"{kind}/{bucket}": model.to_json() for (kind, bucket), model in self.suffix.items()}}
+
+    def start_from(self, learned: dict) -> None:
+        for kind, counts in learned.get("drafter", {}).items():
+            self.acceptance[kind].load(counts)
+        for key, counts in learned.get("suffix", {}).items():
+            kind, bucket = key.rsplit("/", 1)
+            self.suffix[kind, int(bucket)].load(counts)
 
     def best(self, batch_size: int, expected: list[dict[int, float]],
              suffix: list[dict[int, float] | None] | None = None) -> tuple[int, bool]:

@@ -85,6 +85,12 @@ def test_fp8_build_reports_quality_and_stays_lossless(tmp_path, monkeypatch, cap
     assert sanity["verify_profile"]["seconds"] == profile["seconds"]
     assert all(ks.keys() == {"1", "2", "4", "8"} for ks in profile["seconds"].values())
     assert profile["verify_seconds"].keys() == profile["seconds"].keys()  # the verify alone: a suffix draft's step
+    # and the acceptance it learned, which the server starts from (drafter: one count per draft of the block)
+    from dflash_contract.presets import PRESETS
+
+    learned = profile["acceptance"]
+    assert len(learned["drafter"]["greedy"]["reached"]) == PRESETS["smollm2-135m"].block_size - 1
+    assert all(key.startswith("greedy/") for key in learned["suffix"])
     # what auto did, from what was measured: the steps of each draft source, what a block costs here
     words = re.search(r"auto +(.*)", summary(manifest, tmp_path / "fp8")).group(1)
     steps = sum(s["steps"] for s in sanity["dflash"]["auto"]["by_source"].values())

@@ -3,6 +3,7 @@ acceptance model whose choice moves the way it must."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from dflash_runtime import DFlashError, SamplingParams, SpeculativeEngine
 from dflash_runtime.drafter_context import MAX_PENDING_CONTEXT
 from dflash_runtime.verify_length import (EXPLORE_BUDGET, FIRST_PLAIN, OVERRULE_AFTER, PLAIN_EVERY, PROFILE_MAX_ROUNDS,
                                           PROFILE_ROUNDS, AcceptanceModel, StepCosts, StepPlan, VerifyLengthPolicy,
-                                          auto_in_words, device_signature, doubling, expected_tokens, profiled_costs)
+                                          auto_in_words, device_signature, doubling, expected_tokens, match_bucket,
+                                          profiled_costs)
 
 NEW = 40
 LENGTHS = doubling(BLOCK)  # 1, 2, 4, 8, 16
@@ -313,6 +315,23 @@ def test_a_profile_that_stays_noisy_is_re_measured_then_falls_back_to_plain_deco
     assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)]) == StepPlan(1, False)  # measured: at length
     sure = {1: 1.0, 2: 1.95, 4: 3.8, 8: 7.0}  # a suffix draft nearly sure to be accepted now pays
     assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)], [sure]).suffix_rows == {0}
+
+
+def test_what_auto_learned_of_acceptance_starts_another_engine(tiny):
+    """A build's sanity run hands the server what it learned (its profile file's "acceptance"): the server's
+    estimates start from those counts, not from the benefit of the doubt."""
+    policy = VerifyLengthPolicy(BLOCK, flat_costs())
+    for _ in range(30):
+        policy.acceptance["greedy"].observe(accepted=0, reached=1)  # a drafter that is never right here
+        policy.suffix["greedy", match_bucket(5)].observe(accepted=3, reached=4)
+    learned = json.loads(json.dumps(policy.learned()))
+    target, drafter = load_pair(tiny)
+    started = SpeculativeEngine(target, drafter, max_batch_size=1, learned_acceptance=learned).policy
+    fresh = SpeculativeEngine(target, drafter, max_batch_size=1).policy
+    assert started.acceptance["greedy"].rates() == pytest.approx(policy.acceptance["greedy"].rates(), abs=1e-3)
+    assert started.acceptance["greedy"].rates()[0] < 0.1 < 0.5 < fresh.acceptance["greedy"].rates()[0]
+    bucket = "greedy", match_bucket(5)
+    assert started.suffix[bucket].rates() == pytest.approx(policy.suffix[bucket].rates(), abs=1e-3)
 
 
 def test_acceptance_is_per_position_and_per_request():

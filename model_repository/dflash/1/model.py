@@ -56,10 +56,12 @@ class TritonPythonModel:
             if pipeline.target.served_weights is not None:
                 pb_utils.Logger.log_info(f"dflash: target weights {pipeline.target.served_weights.describe()}")
             self.token_texts = TokenTexts(pipeline.tokenizer) if pipeline.tokenizer is not None else None
-            # the build's profile of step times; on another device the engine profiles itself
-            step_costs = StepCosts.from_json(json.loads(artifact_path(args, profile).read_text())) if profile else None
+            # the build's profile of step times (on another device the engine profiles itself) and acceptance
+            built = json.loads(artifact_path(args, profile).read_text()) if profile else None
             return pipeline.engine(block_size=block_size, max_batch_size=max_batch_size,
-                                   max_context=int(params["max_context"]), step_costs=step_costs,
+                                   max_context=int(params["max_context"]),
+                                   step_costs=StepCosts.from_json(built) if built else None,
+                                   learned_acceptance=(built or {}).get("acceptance"),
                                    speculative_sampling=params["speculative_sampling"],
                                    kv_cache_tokens=int(params["kv_cache_tokens"]),
                                    prefill_chunk=int(params["prefill_chunk"]) or None,
