@@ -16,7 +16,6 @@ autograd history keeps its activations alive for as long as the cache it wrote (
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence as Seq
@@ -40,7 +39,7 @@ from .sampling import DraftSources, ProposalRule, SamplingParams, choose_tokens,
 from .scheduler import Occupancy, Scheduler
 from .sequence import Sequence, Status
 from .step_clock import PhaseTimer, StepClock
-from .step_graphs import StepGraphs, batch_bucket, length_bucket, length_buckets
+from .step_graphs import StepGraphs, batch_bucket, cuda_graphs_by_default, length_bucket, length_buckets
 from .suffix_drafts import SharedResponses, SuffixDraft, drafts_of
 from .target import TargetModel
 from .token_choices import SampledRows, TokenChoices
@@ -70,16 +69,15 @@ class SpeculativeEngine:
                  kv_cache_tokens: int | None = None, prefix_caching: bool = True, prefill_chunk: int | None = None,
                  grammars: GrammarCompiler | None = None, suffix_drafts: bool = True, shared_suffix_tokens: int = 0,
                  learned_acceptance: dict | None = None):
-        """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's
-        length up to the drafter's block (plain decoding without a drafter). step_costs: a cost profile
-        to start "auto" from, used if it was made on this device and settled (else the engine profiles itself);
-        learned_acceptance: what an engine of the same drafter learned of acceptance (VerifyLengthPolicy.learned).
-        decode: token ids -> text, needed only for stop strings. static_shapes: run steps over fixed
-        shapes, as CUDA graphs on a GPU (default: on CUDA unless DFLASH_CUDA_GRAPHS=0; on a CPU it
-        only pads, which the tests use to check the graphs' functions). draft_sharpness: how exact sampling
-        drafts (sampling.propose_tokens): 1 couples the drafter's sample to the target's, 0 drafts argmax; None:
-        learned as the engine runs (sampling.ProposalRule). speculative_sampling: the method of sampled requests
-        that name none (presets.SPECULATIVE_SAMPLING).
+        """block_size: an integer verifies that many tokens every step; "auto" (or None) picks each step's length up
+        to the drafter's block (plain decoding without a drafter). step_costs: a cost profile to start "auto" from,
+        used if it was made on this device and settled (else the engine profiles itself); learned_acceptance: what an
+        engine of the same drafter learned of acceptance (VerifyLengthPolicy.learned). decode: token ids -> text,
+        needed only for stop strings. static_shapes: run steps over fixed shapes, as CUDA graphs on a GPU (default: on
+        CUDA unless DFLASH_CUDA_GRAPHS=0; on a CPU it only pads, which the tests use to check the graphs' functions).
+        draft_sharpness: how exact sampling drafts (sampling.propose_tokens): 1 couples the drafter's sample to the
+        target's, 0 drafts argmax; None: learned as the engine runs (sampling.ProposalRule). speculative_sampling: the
+        method of sampled requests that name none (presets.SPECULATIVE_SAMPLING).
         max_context: a sequence's tokens at most (default: the target's max_position_embeddings), cut to what
         kv_cache_tokens hold for one: positions of KV memory for all sequences, in blocks of kv_cache.BLOCK_SIZE
         (default_kv_cache_tokens). prefix_caching: reuse the blocks of prompts seen before (off for A/B runs).
@@ -111,10 +109,8 @@ class SpeculativeEngine:
         self.last_step_seconds = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}  # for latency metrics
         self.last_verify_length: int | None = None  # None: the last step verified nothing
         self.phases = PhaseTimer()  # the last step's wall time by phase (step_clock.py)
-        on_cuda = self.device.type == "cuda"
-        self.static_shapes = static_shapes if static_shapes is not None else (
-            on_cuda and os.environ.get("DFLASH_CUDA_GRAPHS", "1") != "0")
-        self.graphs = StepGraphs(capture=self.static_shapes and on_cuda)
+        self.static_shapes = static_shapes if static_shapes is not None else cuda_graphs_by_default(self.device)
+        self.graphs = StepGraphs(capture=self.static_shapes and self.device.type == "cuda")
         self.offsets = torch.arange(block_size, device=self.device)  # positions within a block
         self.injection_tokens = injection_tokens(self.max_context, max_batch_size, block_size)
         self.context = DrafterContext(self.drafter, self.draft_cache, self.injection_tokens, self._tables, block_size)
@@ -123,13 +119,11 @@ class SpeculativeEngine:
         self.policy, self.suffix_drafts = None, suffix_drafts and adaptive  # policy: "auto"'s, made by _start_up
         self.shared_responses = SharedResponses.of(shared_suffix_tokens if self.suffix_drafts else 0)
         self.draft_sources = DraftSources()  # every sequence's, summed since the engine started
-        self._start_up(adaptive, step_costs)
-        if self.policy is not None and learned_acceptance:
-            self.policy.start_from(learned_acceptance)
+        self._start_up(adaptive, step_costs, learned_acceptance)
 
-    def _start_up(self, adaptive: bool, step_costs: StepCosts | None) -> None:
+    def _start_up(self, adaptive: bool, step_costs: StepCosts | None, learned_acceptance: dict | None) -> None:
         """What a request would otherwise wait on: KV-injection timings and graph captures on CUDA, the step
-        profile of "auto"."""
+        profile of "auto" (and what it starts from of acceptance)."""
         with torch.inference_mode(), self._on_device():
             if self.device.type == "cuda":
                 self._time_kv_injection()
@@ -139,6 +133,8 @@ class SpeculativeEngine:
                 if step_costs is None or step_costs.unsettled or step_costs.device != device_signature(self.device):
                     step_costs = self._profile_step_costs()
                 self.policy = VerifyLengthPolicy(self.block_size, step_costs, self.verify_lengths)
+                if learned_acceptance:
+                    self.policy.start_from(learned_acceptance)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams) -> Sequence:

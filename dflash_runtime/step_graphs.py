@@ -16,6 +16,7 @@ host synchronisation, which capture would break on).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -28,6 +29,12 @@ MIN_LENGTH_BUCKET = 128
 # Beyond this many graphs a new shape runs eagerly instead of being captured: graphs cost memory and capture
 # time, and the count of (R, k, length) shapes grows with the batch, the block and the context
 MAX_GRAPHS = 512
+
+
+def cuda_graphs_by_default(device: torch.device) -> bool:
+    """Whether an engine runs static shapes when not told: on CUDA, as graphs, unless DFLASH_CUDA_GRAPHS=0 (to debug
+    a step eagerly)."""
+    return device.type == "cuda" and os.environ.get("DFLASH_CUDA_GRAPHS", "1") != "0"
 
 
 def batch_bucket(rows: int, max_batch_size: int) -> int:
