@@ -10,7 +10,8 @@ j was accepted when the drafts before it were), how many steps verified each len
 draft-to-verify time ratio; and whether all outputs were token-identical (sampled runs too: exact
 sampling keeps the target's own sample; rejection sampling's outputs are left out of that check).
 Writes JSON and, with --plot, a PNG. On a CPU, --cpu-weights picks the target's weight format and
---vs-llama-cpp adds llama.cpp on the same GGUF as one more mode.
+--vs-llama-cpp adds llama.cpp on the same GGUF as two more modes: plain, and its prompt-lookup
+speculative decoding.
 
 Example, against llama.cpp on the same GGUF and threads, with batch 8 throughput:
   dflash-bench --prompts chat humaneval sharegpt --block-size auto 8 --no-hf --vs-llama-cpp --batch 8
@@ -69,17 +70,18 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
     """dflash: mode label ("auto", "8", "8 rejection", ...) -> engine; every prompt runs through every mode.
     sampling: temperature, top-k, top-p and seed for every mode (greedy if None); prompt n samples with seed
     + n. Token identity is checked between the modes whose sample cannot depend on the drafter (not
-    rejection sampling; transformers only when greedy). llama: a llama_cpp.Llama on the target's GGUF, run
-    greedy as one more mode (greedy runs only), its answers compared apart: other arithmetic, another model."""
+    rejection sampling; transformers only when greedy). llama: label -> llama_cpp.Llama on the target's GGUF
+    (load_llama_cpp), each run greedy as one more mode (greedy runs only), its answers compared with our plain
+    decoding's apart: other arithmetic, another model."""
     sampling = sampling or SamplingParams()
     hf = hf if sampling.greedy else None
-    llama = llama if sampling.greedy else None
+    llama = llama if llama and sampling.greedy else {}
     eos = list(pipe.target.config.eos_token_ids)
     modes = {"autoregressive": Mode(), **{f"dflash {b}": Mode() for b in dflash}}
     if hf is not None:
         modes["hf_generate"] = Mode()
-    if llama is not None:
-        modes["llama.cpp"], same_as_llama = Mode(), 0
+    modes.update({label: Mode() for label in llama})
+    same_as_llama = Counter()
     stats, identical = {b: SamplingStats() for b in dflash}, 0
     engines = [autoregressive, *dflash.values()]
     lookups = [(e.block_manager.queried_tokens, e.block_manager.hit_tokens) for e in engines]
@@ -90,11 +92,10 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
             outputs.append(modes["hf_generate"].timed(lambda: hf.generate(
                 torch.tensor([ids], device=hf.device), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                 pad_token_id=eos[0])[0, len(ids):].tolist()))
-        if llama is not None:
-            theirs = modes["llama.cpp"].timed(lambda: llama_cpp_greedy(llama, ids, max_new_tokens, eos))
+        theirs = {label: modes[label].timed(lambda: llama_cpp_greedy(model, ids, max_new_tokens, eos))
+                  for label, model in llama.items()}
         outputs.append(modes["autoregressive"].timed(lambda: autoregressive.generate([ids], params)[0].output_ids))
-        if llama is not None:
-            same_as_llama += theirs == outputs[-1]
+        same_as_llama.update(label for label, out in theirs.items() if out == outputs[-1])
         taus = _run_dflash_modes(dflash, modes, stats, ids, params, outputs)
         same = all(o == outputs[0] for o in outputs)
         identical += same
@@ -117,9 +118,10 @@ def measure(pipe, hf, autoregressive, dflash: dict, prompts: list[list[int]], ma
     }
     if hf is not None:
         result["ratio_autoregressive_vs_hf"] = round(rate["autoregressive"] / rate["hf_generate"], 3)
-    if llama is not None:
-        result["ratio_autoregressive_vs_llama_cpp"] = round(rate["autoregressive"] / rate["llama.cpp"], 3)
-        result["llama_cpp_identical_prompts"] = f"{same_as_llama}/{len(prompts)}"
+    if llama:
+        result["llama_cpp"] = {label: {"ratio_autoregressive_vs": round(rate["autoregressive"] / rate[label], 3),
+                                       "identical_prompts": f"{same_as_llama[label]}/{len(prompts)}"}
+                               for label in llama}
     return result
 
 
@@ -151,19 +153,25 @@ def llama_cpp_greedy(llama, ids: list[int], max_new_tokens: int, eos: list[int])
     return out
 
 
-def load_llama_cpp(pipe, threads: int, context: int):
-    """llama-cpp-python (the optional `llama` extra) on the GGUF the target was converted from."""
+def load_llama_cpp(pipe, threads: int, context: int, lookup_tokens: int) -> dict:
+    """llama-cpp-python (the optional `llama` extra) on the GGUF the target was converted from, as two modes:
+    "llama.cpp" decodes plainly; "llama.cpp lookup" drafts by its prompt lookup (LlamaPromptLookupDecoding: the
+    `lookup_tokens` tokens after the first earlier occurrence of the text's last 2 tokens, else its last 1) and
+    verifies them in one batch, the draft-free anchor of our suffix drafts."""
     from dflash_runtime.checkpoint import gguf_source
 
     try:
         from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         raise DFlashError("--vs-llama-cpp needs llama-cpp-python: pip install -e '.[llama]' (it builds llama.cpp "
                           "from source, ~10 minutes on 2 cores)") from None
     gguf = gguf_source(pipe.target_dir)
     if gguf is None:
         raise DFlashError(f"--vs-llama-cpp: {pipe.target_dir} was not converted from a GGUF file")
-    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False)
+    common = dict(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False)
+    return {"llama.cpp": Llama(**common),
+            LLAMA_LOOKUP: Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens))}
 
 
 SECOND_TURNS = "2"  # a set name ending so (mtbench2, math5002) asks for the set's second turns
@@ -234,7 +242,8 @@ def run(args) -> dict:
     print(f"[projections] {projections(pipe)}", file=sys.stderr)
     llama = None
     if args.vs_llama_cpp:
-        llama = load_llama_cpp(pipe, torch.get_num_threads(), pipe.preset.kv_context if pipe.preset else DEFAULT_KV_CONTEXT)
+        llama = load_llama_cpp(pipe, torch.get_num_threads(), pipe.preset.kv_context if pipe.preset else DEFAULT_KV_CONTEXT,
+                               args.llama_lookup_tokens)
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -279,6 +288,8 @@ def run(args) -> dict:
 
 
 AUTO_SHARPNESS = "auto"
+LLAMA_LOOKUP = "llama.cpp lookup"
+LLAMA_LOOKUP_TOKENS = 2
 SHARED_SUFFIX_TOKENS = 65536  # --suffix-drafts shared: earlier answers held per mode (256 KB)
 
 
@@ -331,10 +342,9 @@ def summary_table(summary: dict) -> str:
             tau = d["mean_acceptance_length"]
             lines.append(f"{'':<20} {'dflash ' + mode:<24} {rates['dflash ' + mode]:>8.2f} "
                          f"{d['speedup_vs_autoregressive']:>7.2f}x {'-' if tau is None else f'{tau:.2f}':>6}")
-        if "llama.cpp" in rates:
-            lines.append(f"{'':<20} {'llama.cpp':<24} {rates['llama.cpp']:>8.2f} "
-                         f"{rates['llama.cpp'] / rates['autoregressive']:>7.2f}x {'':>6}  "
-                         f"{r['llama_cpp_identical_prompts']} (its own arithmetic)")
+        for label, theirs in r.get("llama_cpp", {}).items():
+            lines.append(f"{'':<20} {label:<24} {rates[label]:>8.2f} {rates[label] / rates['autoregressive']:>7.2f}x "
+                         f"{'':>6}  {theirs['identical_prompts']} as ours (its own arithmetic)")
     return "\n".join(lines)
 
 
@@ -416,7 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vs-llama-cpp", action="store_true",
                         help="also run llama.cpp (llama-cpp-python, the optional `llama` extra) on the GGUF the target "
                              "was converted from, greedy, with torch's thread count, alternating with the other "
-                             "modes prompt by prompt; reports its tok/s and our plain decoding's ratio to it")
+                             "modes prompt by prompt, twice: decoding plainly and with its prompt-lookup "
+                             "speculative decoding; reports their tok/s and our plain decoding's ratio to each")
+    parser.add_argument("--llama-lookup-tokens", type=int, default=LLAMA_LOOKUP_TOKENS,
+                        help="tokens llama.cpp's prompt lookup drafts per step (its num_pred_tokens; default "
+                             f"{LLAMA_LOOKUP_TOKENS}: llama-cpp-python's advice for CPU-only machines, and faster "
+                             "than its default 10 on this project's CPU)")
     parser.add_argument("--batch", type=int, default=0,
                         help="also time our plain decoding's throughput with N requests at a time (each greedy set's "
                              "prompts, repeated to fill N)")
@@ -436,6 +451,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.llama_lookup_tokens < 1:
+        parser.error(f"--llama-lookup-tokens must be >= 1, got {args.llama_lookup_tokens}")
     try:
         summary = run(args)
     except DFlashError as e:
