@@ -34,7 +34,8 @@ def test_the_step_profile_accounts_for_each_steps_time_by_phase(tmp_path, capsys
 
 
 def test_the_step_profile_refuses_sizes_that_cannot_run(capsys):
-    for bad in (["--batch-sizes", "0"], ["--blocks", "1"], ["--steps", "0"]):
+    for bad in (["--batch-sizes", "0"], ["--blocks", "1"], ["--steps", "0"], ["--prefill-stall", "-5"],
+                ["--prefill-stall", "64", "--prefill-chunk", "0"]):
         try:
             step_profile.main(["--targets", "tiny", *bad])
         except SystemExit as e:
@@ -42,3 +43,17 @@ def test_the_step_profile_refuses_sizes_that_cannot_run(capsys):
         else:
             raise AssertionError(bad)
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_the_prefill_stall_times_a_stream_beside_a_prompt_prefilled_in_chunks(tmp_path, capsys):
+    """A 200-token prompt beside a decoding stream prefills in chunks of 32 (7 steps, the stream stepping in each);
+    the stream's time per token and longest wait are ratios to its steps alone, and the table prints them."""
+    out = tmp_path / "stall.json"
+    assert step_profile.main(["--targets", "tiny", "--prefill-stall", "200", "--prefill-chunk", "32", "--steps", "6",
+                              "--threads", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["target"], row["prompt_tokens"], row["chunk"], row["prefill_steps"]) == ("tiny", 200, 32, 7)
+    assert row["alone_ms_per_token"] > 0
+    ratios = [f"{phase}_{ratio}_x" for phase in ("during", "joined") for ratio in ("per_token", "longest_wait")]
+    assert all(row[key] > 0 for key in ratios)
+    assert "| tiny | 200 | 32 |" in capsys.readouterr().out
