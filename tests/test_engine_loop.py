@@ -432,8 +432,11 @@ def test_each_step_report_says_where_the_iterations_time_went(tiny):
     assert len(stepped) >= 2
     for report, wall in stepped:
         assert {"schedule", "loop"} <= set(report.phases) and min(report.phases.values()) >= 0
-        assert sum(report.phases.values()) == pytest.approx(wall, rel=0.05, abs=2e-4)
+        assert sum(report.phases.values()) <= wall * 1.05 + 2e-4  # timed within the iteration
         assert 0 < host_seconds(report.phases) < sum(report.phases.values())
+    # and they account for it: summed over the steps, so that one preemption between the clocks (a busy host: 1 ms
+    # of a 16 ms step once) does not decide
+    assert sum(sum(r.phases.values()) for r, _ in stepped) == pytest.approx(sum(w for _, w in stepped), rel=0.05)
     phases = set().union(*(r.phases for r, _ in stepped))
     assert {"prefill pass", "verify pass", "inputs", "accept", "commit", "copy"} <= phases
 
