@@ -3,15 +3,16 @@
 A step with verify length k checks the newest token plus k - 1 drafts in one target pass; k = 1 skips
 the drafter (plain decoding). Output is the target's own either way, so k may change every step.
 
-- Cost: the seconds of a step (draft + verify, or the verify alone when only suffix drafts are verified) at
-  batch size B and length k. A short profile when the engine starts gives every (B, k) a figure: the median of
-  rounds that time every length in turn (a neighbour's burst then slows one round, not one length), re-measured
-  while a plain step times dearer than a longer one or the rounds disagree, and after PROFILE_MAX_ROUNDS marked
-  unsettled: then a step of k is priced as k plain steps (plain decoding) until a full block's step is measured,
-  which the first step at each batch size spends, and lengths between on the line up to it. Each step's own
-  timing overrules the profile: the lower of the two after one or two steps (noise only adds time), the median of
-  the last OBSERVED_WINDOW from the third. A plain step is taken at the FIRST_PLAIN-th step, then twice as late
-  each time up to every PLAIN_EVERY: its cost is what every other is weighed against.
+- Cost: the seconds of a step (draft + verify, or the verify alone when only suffix drafts are verified) at batch
+  size B and length k. A short profile when the engine starts gives every (B, k) a figure: the median of rounds that
+  time every length in turn (a neighbour's burst then slows one round, not one length), re-measured while a plain
+  step times dearer than a longer one or the rounds disagree, and after PROFILE_MAX_ROUNDS marked unsettled: then a
+  step of k is priced as k plain steps (plain decoding) until steps of that length are measured (a line from a plain
+  step to one measured block let a single lucky block make drafting look cheap: on a busy host it drafted on 2 of 4
+  prompts at 5 % acceptance). Each step's own timing overrules the profile: the lower of the two after one or two
+  steps (noise only adds time), the median of the last OBSERVED_WINDOW from the third. A plain step is taken at the
+  FIRST_PLAIN-th step, then twice as late each time up to every PLAIN_EVERY: its cost is what every other is weighed
+  against.
 - Acceptance: p_j, the chance that draft j is accepted given drafts 1..j-1 were. DFlash's p_j falls
   along the block, so it is kept per position: counted over recent steps of all requests (older
   counts fade), apart for greedy requests and for each speculative sampling method (sampling accepts
@@ -96,15 +97,11 @@ class StepCosts:
 
     def _prior(self, key: tuple[int, int, bool]) -> float:
         """The profile's figure (interpolated once: a step asks for every length). An unsettled profile prices a
-        step of k as k plain steps, so that only steps that were measured can make drafting pay: once a full block
-        was, a length between is priced on the line from a plain step to it (a CPU's rows cost alike), with or
-        without the drafter's pass."""
+        step of k as k plain steps, so that only steps that were measured can make drafting pay."""
         if key not in self.profiled:
             batch_size, k, drafted = key
             if self.unsettled and k > 1:
-                one, full = self.seconds(batch_size, 1), self.full_block
-                block = self.observed.get((batch_size, full, True))
-                return k * one if block is None else one + (block - one) * (k - 1) / (full - 1)
+                return k * self.seconds(batch_size, 1)
             alone = k > 1 and not drafted and self.verify_profile  # a verify without the drafter's pass
             self.profiled[key] = _interpolated(self.verify_profile if alone else self.profile, batch_size, k)
         return self.profiled[key]
@@ -366,14 +363,11 @@ class VerifyLengthPolicy:
                suffix: list[dict[int, float] | None] | None = None) -> StepPlan:
         """The plan for a batch, given each sequence's expected tokens per length (expected_tokens) and with its
         suffix draft where it has one (suffix_expected). A full drafter block is spent now and then to keep the
-        drafter's estimates fresh (and at once where an unsettled profile left its cost unknown), and a plain step
-        to keep its cost measured (the module's docstring)."""
+        drafter's estimates fresh, and a plain step to keep its cost measured (the module's docstring)."""
         batch_size, full = len(expected), self.lengths[-1]
         suffix = suffix or [None] * batch_size
         k, drafted = self.best(batch_size, expected, suffix)
-        if self.costs.unsettled and not self.costs.measured(batch_size, full):
-            k, drafted = full, True  # the block measured once: what an unsettled profile prices lengths from
-        elif not (k == full and drafted):
+        if not (k == full and drafted):
             step_seconds = self.costs.seconds(batch_size, k, drafted)
             extra = self.costs.seconds(batch_size, full) - step_seconds
             self.explore_credit += EXPLORE_BUDGET * step_seconds

@@ -306,15 +306,16 @@ def test_a_profile_that_stays_noisy_is_re_measured_then_falls_back_to_plain_deco
     assert policy.best(1, [expected_tokens(rates, lengths, 100)]) == (1, True)
     assert "too noisy to trust: at batch 1, a step of length 1 timed 5.33x one of 2" in auto_in_words(costs, {})
     assert StepCosts.from_json(costs.to_json()).unsettled == costs.unsettled
-    # the first step measures a full block; lengths between are then priced on the line from a plain step to it
-    assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)]) == StepPlan(8, True)
+    # no step is spent to measure a draft: one block timed fast by luck would make every length look cheap
+    assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)]) == StepPlan(1, False)
     costs.observe(1, 1, 2.0)
-    costs.observe(1, 8, 9.0)
-    assert [costs.seconds(1, k) for k in lengths] == [2.0, 3.0, 5.0, 9.0]
-    assert [costs.seconds(1, k, drafted=False) for k in (2, 4)] == [3.0, 5.0]
-    assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)]) == StepPlan(1, False)  # measured: at length
-    sure = {1: 1.0, 2: 1.95, 4: 3.8, 8: 7.0}  # a suffix draft nearly sure to be accepted now pays
-    assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)], [sure]).suffix_rows == {0}
+    costs.observe(1, 8, 9.0)  # a block (exploration's), then a verify of 8 alone: measured, they overrule
+    costs.observe(1, 8, 5.0, drafted=False)
+    assert [costs.seconds(1, k) for k in lengths] == [2.0, 4.0, 8.0, 9.0]
+    assert [costs.seconds(1, k, drafted=False) for k in (2, 4, 8)] == [4.0, 8.0, 5.0]
+    assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)]) == StepPlan(1, False)
+    sure = {1: 1.0, 2: 1.95, 4: 3.8, 8: 7.0}  # a suffix draft nearly sure to be accepted pays where measured
+    assert policy.choose([expected_tokens([0.1] * 7, lengths, 100)], [sure]) == StepPlan(8, False, frozenset({0}))
 
 
 def test_what_auto_learned_of_acceptance_starts_another_engine(tiny):
