@@ -7,12 +7,12 @@ the drafter (plain decoding). Output is the target's own either way, so k may ch
   size B and length k. A short profile when the engine starts gives every (B, k) a figure: the median of rounds that
   time every length in turn (a neighbour's burst then slows one round, not one length), re-measured while a plain
   step times dearer than a longer one or the rounds disagree, and after PROFILE_MAX_ROUNDS marked unsettled: then a
-  step of k is priced as k plain steps (plain decoding) until steps of that length are measured (a line from a plain
-  step to one measured block let a single lucky block make drafting look cheap: on a busy host it drafted on 2 of 4
-  prompts at 5 % acceptance). Each step's own timing overrules the profile: the lower of the two after one or two
-  steps (noise only adds time), the median of the last OBSERVED_WINDOW from the third. A plain step is taken at the
-  FIRST_PLAIN-th step, then twice as late each time up to every PLAIN_EVERY: its cost is what every other is weighed
-  against.
+  step of k is priced as k plain steps (plain decoding) until steps of that length are measured (tried: a line from
+  a plain step to one measured block; on a busy host it drafted on 2 of 4 prompts at 5 % acceptance, most likely
+  from a block timed fast by luck). Each step's own timing overrules the profile: the lower of the two after one or
+  two steps (noise only adds time), the median of the last OBSERVED_WINDOW from the third. A plain step is taken at
+  the FIRST_PLAIN-th step, then twice as late each time up to every PLAIN_EVERY: its cost is what every other is
+  weighed against.
 - Acceptance: p_j, the chance that draft j is accepted given drafts 1..j-1 were. DFlash's p_j falls
   along the block, so it is kept per position: counted over recent steps of all requests (older
   counts fade), apart for greedy requests and for each speculative sampling method (sampling accepts
