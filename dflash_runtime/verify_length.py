@@ -115,10 +115,6 @@ class StepCosts:
         measured = median(window)
         self.observed[key] = measured if len(window) >= OVERRULE_AFTER else min(measured, self._prior(key))
 
-    @property
-    def full_block(self) -> int:
-        return max(self.profile[min(self.profile)])
-
     def measured(self, batch_size: int, k: int, drafted: bool = True) -> int:
         """How many of the last steps of this kind were timed (at most OBSERVED_WINDOW)."""
         return len(self.windows.get((batch_size, k, drafted and k > 1), ()))
@@ -273,7 +269,7 @@ def auto_in_words(costs: StepCosts, sources: dict[str, dict[str, int]]) -> str:
     done = ", ".join(f"{SOURCE_NAMES.get(source, source)} on {s['steps']} of {steps} steps"
                      + (f" ({s['accepted']} of {s['drafted']} drafts accepted)" if s["drafted"] else "")
                      for source, s in sources.items())
-    one, full = costs.seconds(1, 1), costs.full_block
+    one, full = costs.seconds(1, 1), max(costs.profile[min(costs.profile)])  # the drafter's block
     unsettled = (f" (the start-up timings were too noisy to trust: {costs.unsettled}; until steps measured it, a "
                  "step of length k was priced as k plain steps)") if costs.unsettled else ""
     return (f"{done or 'no steps'}: here a verify of {full} tokens costs "

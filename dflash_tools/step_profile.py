@@ -122,13 +122,15 @@ def prefill_stall(label: str, target, drafter, prompt_tokens: int, steps: int, c
 def stall_table(rows: list[dict]) -> str:
     head = ["target", "prompt", "chunk", "stream alone ms/token", "prefill steps", "during: per token",
             "longest wait", "joined: per token", "longest wait"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        ratios = ("during_per_token_x", "during_longest_wait_x", "joined_per_token_x", "joined_longest_wait_x")
-        cells = [r["target"], r["prompt_tokens"], r["chunk"], f"{r['alone_ms_per_token']:.2f}", r["prefill_steps"],
-                 *(f"{r[key]:.2f}x" for key in ratios)]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+    ratios = ("during_per_token_x", "during_longest_wait_x", "joined_per_token_x", "joined_longest_wait_x")
+    return markdown(head, [[r["target"], r["prompt_tokens"], r["chunk"], f"{r['alone_ms_per_token']:.2f}",
+                            r["prefill_steps"], *(f"{r[key]:.2f}x" for key in ratios)] for r in rows])
+
+
+def markdown(head: list[str], rows: list[list]) -> str:
+    """A markdown table: the header, its rule, a line per row of cells."""
+    lines = ["| " + " | ".join(map(str, cells)) + " |" for cells in [head, *rows]]
+    return "\n".join([lines[0], "|" + "---|" * len(head), *lines[1:]])
 
 
 def profile_rows(label: str, target, drafter, batch_sizes: list[int], blocks: list[int], steps: int) -> list[dict]:
@@ -148,13 +150,9 @@ def table(rows: list[dict]) -> str:
     """One line per (target, batch, block): the step, its passes, its host time and each host phase, its ops."""
     phases = [p for p in HOST_ORDER if any(p in r["phases_us"] for r in rows)]
     head = ["target", "batch", "block", "step ms", "passes ms", "host us", *phases, "ops/step", "ops/layer"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["target"], r["batch"], r["block"], f"{r['step_ms']:.2f}", f"{r['passes_ms']:.2f}",
-                 f"{r['host_us']:.0f}", *(f"{r['phases_us'].get(p, 0.0):.0f}" for p in phases),
-                 f"{r['ops_per_step']:.0f}", f"{r['ops_per_layer']:.0f}"]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+    return markdown(head, [[r["target"], r["batch"], r["block"], f"{r['step_ms']:.2f}", f"{r['passes_ms']:.2f}",
+                            f"{r['host_us']:.0f}", *(f"{r['phases_us'].get(p, 0.0):.0f}" for p in phases),
+                            f"{r['ops_per_step']:.0f}", f"{r['ops_per_layer']:.0f}"] for r in rows])
 
 
 def load_target(name: str, args: argparse.Namespace) -> tuple:
