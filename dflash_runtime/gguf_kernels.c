@@ -221,9 +221,53 @@ static float *cache_row(float *cache, const llama_pass *p, const llama_layer *l,
     return cache + ((block * p->block_size + position % p->block_size) * l->kv_heads + kv_head) * l->head_dim;
 }
 
+// scores[j] = (q . k_j) * scale for n keys of d floats (d % 8 == 0), `step` floats apart from k on: four keys at a
+// time, whose sums are independent chains (one dot alone waits on each FMA's latency), each summed as dot() sums it.
+static void block_scores(const float *q, const float *k, int64_t step, int64_t n, int d, float scale,
+                         float *scores) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *k0 = k + j * step, *k1 = k0 + step, *k2 = k1 + step, *k3 = k2 + step;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < d; i += 8) {
+            const __m256 x = _mm256_loadu_ps(q + i);
+            a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + i), a0);
+            a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + i), a1);
+            a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + i), a2);
+            a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + i), a3);
+        }
+        scores[j] = hsum(a0) * scale, scores[j + 1] = hsum(a1) * scale;
+        scores[j + 2] = hsum(a2) * scale, scores[j + 3] = hsum(a3) * scale;
+    }
+    for (; j < n; j++) scores[j] = dot(q, k + j * step, d) * scale;
+}
+
+// acc[0:d] += w[j] * v_j over n rows of d floats (d % 8 == 0) `step` floats apart from v on, where visible[j] (NULL:
+// all), key after key (one FMA per key and element); four keys per pass over acc where all four are visible.
+static void weighted_sum(const float *v, int64_t step, int64_t n, const float *w, const uint8_t *visible, int d,
+                         float *acc) {
+    for (int64_t j = 0; j < n;) {
+        const int four = j + 4 <= n && (!visible || (visible[j] && visible[j + 1] && visible[j + 2] && visible[j + 3]));
+        const int count = four ? 4 : 1;
+        if (!four && visible && !visible[j]) {
+            j++;
+            continue;
+        }
+        const float *vj = v + j * step;
+        for (int i = 0; i < d; i += 8) {
+            __m256 a = _mm256_loadu_ps(acc + i);
+            for (int c = 0; c < count; c++)
+                a = _mm256_fmadd_ps(_mm256_set1_ps(w[j + c]), _mm256_loadu_ps(vj + c * step + i), a);
+            _mm256_storeu_ps(acc + i, a);
+        }
+        j += count;
+    }
+}
+
 // softmax(q k^T / sqrt(D)) v over each token's visible keys, one (token, head) per task. Each sum runs over
-// the visible keys in position order whatever the pass's shape, so a token's output does not depend on how many
-// tokens or sequences share its pass: float32 suffices where torch's attention needed float64 (cpu_weights).
+// the visible keys in position order whatever the pass's shape (bit for bit the sums of one key at a time), so a
+// token's output does not depend on how many tokens or sequences share its pass: float32 suffices where torch's
+// attention needed float64 (cpu_weights).
 static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_pass *p, const llama_layer *l,
                   float *out) {
     const int64_t rows = p->batch * p->tokens, width = (int64_t)(l->heads + 2 * l->kv_heads) * l->head_dim;
@@ -252,20 +296,25 @@ static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_
             const float *q = qkv + r * width + (int64_t)h * d;
             const uint8_t *visible = p->visible ? p->visible + r * p->length : NULL;
             const int64_t keys = p->visible ? p->length : t + 1;
+            // block by block: no division (position / block_size) per key for its address
+            const int64_t *blocks = p->table + b * p->table_width, step = (int64_t)l->kv_heads * d;
+            const int64_t first = (int64_t)kv_head * d, bs = p->block_size;
             float top = -INFINITY;
-            for (int64_t j = 0; j < keys; j++) {
-                if (visible && !visible[j]) continue;
-                scores[j] = dot(q, cache_row(k_cache, p, l, b, j, kv_head), d) * scale;
-                top = scores[j] > top ? scores[j] : top;
+            for (int64_t start = 0; start < keys; start += bs) {
+                const float *k = k_cache + blocks[start / bs] * bs * step + first;
+                const int64_t n = start + bs < keys ? bs : keys - start;
+                block_scores(q, k, step, n, d, scale, scores + start);
+                for (int64_t j = start; j < start + n; j++)
+                    if (!visible || visible[j]) top = scores[j] > top ? scores[j] : top;
             }
             float total = 0.0f;
             memset(acc, 0, sizeof(float) * d);
-            for (int64_t j = 0; j < keys; j++) {
-                if (visible && !visible[j]) continue;
-                const float weight = expf(scores[j] - top);
-                const float *v = cache_row(v_cache, p, l, b, j, kv_head);
-                total += weight;
-                for (int i = 0; i < d; i++) acc[i] += weight * v[i];
+            for (int64_t start = 0; start < keys; start += bs) {
+                const int64_t n = start + bs < keys ? bs : keys - start;
+                for (int64_t j = start; j < start + n; j++)  // scores become weights: visible keys' only
+                    if (!visible || visible[j]) total += scores[j] = expf(scores[j] - top);
+                const float *v = v_cache + blocks[start / bs] * bs * step + first;
+                weighted_sum(v, step, n, scores + start, visible ? visible + start : NULL, d, acc);
             }
             float *o = out + r * (int64_t)l->heads * d + (int64_t)h * d;
             for (int i = 0; i < d; i++) o[i] = total > 0.0f ? acc[i] / total : 0.0f;

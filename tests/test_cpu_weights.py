@@ -165,6 +165,39 @@ def test_a_llama_layer_in_one_call_is_that_layer_on_torch(tiny_with_blocks):
             target(tokens[:, :1], torch.tensor([[cache.block_size]]), cache, table)
 
 
+@needs_kernels
+def test_the_layer_kernels_attention_reads_scattered_blocks_and_ragged_rows_as_torch_does(tiny_with_blocks):
+    """The kernels' attention walks each row's block table block by block and its keys four at a time: two rows of
+    different lengths (the shorter one's last keys masked) in blocks out of order, a prompt and then a block of 3,
+    give torch's logits."""
+    target = load_target(tiny_with_blocks[0], cpu_weights="gguf-int4")
+    if target.config.arch != "llama":
+        pytest.skip("qwen3's per-head norms keep its layers on torch")
+    lengths, block = [37, 22], 3
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, target.config.shape.vocab_size, (2, max(lengths)), generator=generator)
+    kernels = [layer.kernels for layer in target.model.layers]
+
+    def logits(on_kernels: bool) -> list[torch.Tensor]:
+        for layer, kernel in zip(target.model.layers, kernels):
+            layer.kernels = kernel if on_kernels else None
+        cache = target.new_cache(12)
+        table = torch.tensor([[9, 2, 7, 4], [1, 11, 5, 8]])  # neither in order nor contiguous
+        out = []
+        with torch.inference_mode():
+            for row, length in enumerate(lengths):
+                positions = torch.arange(length)[None]
+                out.append(target(prompts[row:row + 1, :length], positions, cache, table[row:row + 1])[0])
+            starts = torch.tensor(lengths)[:, None]
+            out.append(target(prompts[:, :block], starts + torch.arange(block), cache, table)[0])
+        return out
+
+    for fused, on_torch in zip(logits(True), logits(False)):
+        torch.testing.assert_close(fused, on_torch, rtol=1e-3, atol=1e-3)
+    for layer, kernel in zip(target.model.layers, kernels):
+        layer.kernels = kernel
+
+
 def test_the_embedded_default_in_its_own_4_bit_weights_is_lossless():
     from dflash_runtime.pipeline import load_pipeline
 
