@@ -24,7 +24,8 @@ DEFAULT_SPECULATIVE_SAMPLING = "exact"
 # prompt comes in, each step paying for at most this many prompt tokens beside its draft and verify passes.
 # Measured on a CPU (embedded default, 2 threads, 7 streams at block 8, a 4,000-token prompt arriving): their
 # step went from 160 ms to at most 555 ms with chunks of 128 (1.4 s with 256, 1.75 s with 512, 7.7 s unchunked),
-# and the long prompt's first token came after 14 s instead of 7.7 s.
+# and the long prompt's first token came after 14 s instead of 7.7 s. The engine takes fewer where a step's prefill
+# would take more than twice its decoding (dflash_runtime/prefill_pacing.py: on a CPU, streams decoding plainly).
 DEFAULT_PREFILL_CHUNK = 128
 # The context per batch place that the default KV pool is sized for (max batch size x this). A sequence's own limit
 # is its target's (max_position_embeddings), cut to what the whole pool holds: one long conversation may use the

@@ -33,6 +33,7 @@ from .block_manager import BlockManager
 from .grammar import GrammarCompiler
 from .logprobs import token_logprobs
 from .penalties import apply_penalties, penalised
+from .prefill_pacing import PrefillPacing
 from .kv_cache import BLOCK_SIZE, null_padded
 from .kv_injection.op import KERNEL_IS_FASTER
 from .sampling import DraftSources, ProposalRule, SamplingParams, choose_tokens, to_device
@@ -81,9 +82,9 @@ class SpeculativeEngine:
         max_context: a sequence's tokens at most (default: the target's max_position_embeddings), cut to what
         kv_cache_tokens hold for one: positions of KV memory for all sequences, in blocks of kv_cache.BLOCK_SIZE
         (default_kv_cache_tokens). prefix_caching: reuse the blocks of prompts seen before (off for A/B runs).
-        prefill_chunk: prompt tokens a step prefills at most while some sequence decodes, which keeps decoding during
-        a long prompt (None: a prompt's whole uncached part in one pass; _prefill_budget). grammars: guided requests'
-        compiler (grammar.py; None: they are refused). suffix_drafts: under "auto", rows may verify suffix drafts
+        prefill_chunk: prompt tokens a step prefills at most while some sequence decodes, paced (prefill_pacing.py),
+        which keeps decoding during a long prompt (None: a prompt's whole uncached part in one pass). grammars: guided
+        requests' compiler (grammar.py; None: they are refused). suffix_drafts: under "auto", rows may verify suffix drafts
         (suffix_drafts.py) where they pay more than the drafter's, also from shared_suffix_tokens of earlier outputs."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
@@ -91,11 +92,11 @@ class SpeculativeEngine:
         check_sizes(drafter, block_size, max_batch_size, prefill_chunk)
         self.target, self.device = target, target.device
         self.drafter = drafter if block_size > 1 else None
-        self.block_size = block_size
+        self.block_size, self.grammars = block_size, grammars
         max_context = min(max_context or 1 << 30, target.config.max_position_embeddings)
         blocks = -(-(kv_cache_tokens or default_kv_cache_tokens(max_batch_size, max_context, block_size)) // BLOCK_SIZE)
         self.max_context = context_in(blocks, max_context, block_size)
-        self.prefill_chunk, self.decode, self.grammars = prefill_chunk, decode, grammars
+        self.prefill_chunk, self.pacing, self.decode = prefill_chunk, PrefillPacing(prefill_chunk), decode
         self.proposal_rule = ProposalRule(draft_sharpness)
         self.speculative_sampling = check_speculative_sampling(speculative_sampling)
         self.choices = TokenChoices(self.device, target.config.shape.vocab_size, block_size,
@@ -216,8 +217,9 @@ class SpeculativeEngine:
                 stalls = self._stalls()
                 self.phases.lap("schedule")
                 chosen = self._speculate(batch, plan, suffix)
+                seconds = self.last_step_seconds
+                self.pacing.observe(0, 0.0, seconds["draft"] + seconds["verify"])
                 if self.policy is not None and self._stalls() == stalls:  # a stalled step would teach a false cost
-                    seconds = self.last_step_seconds
                     self.policy.costs.observe(len(batch), plan.k, seconds["draft"] + seconds["verify"], plan.drafted)
                 for i, (seq, (tokens, accepted, logprobs)) in enumerate(zip(batch, chosen)):
                     seq.num_computed += accepted + 1  # the accepted drafts and the token before them
@@ -246,19 +248,22 @@ class SpeculativeEngine:
         self.phases.lap("schedule")
         if not parts:
             return []
+        tokens = sum(end - seq.num_computed for seq, end in parts)
         firsts = self._prefill(parts)
+        self.pacing.observe(tokens, self.last_step_seconds["prefill"], 0.0)
         outputs = [StepOutput(seq, self._commit(seq, first, logprobs))
                    for (seq, _), (first, logprobs) in zip(parts, firsts) if first]
         self.phases.lap("commit")
         return outputs
 
     def _prefill_budget(self) -> float:
-        """Prompt tokens this step prefills at most: prefill_chunk while some sequence decodes (its step waits for
-        the pass), else a whole context's worth (nobody waits; a burst's prompts fill the batch at once)."""
+        """Prompt tokens this step prefills at most: while some sequence decodes (its step waits for the pass),
+        prefill_chunk or fewer, as the pace allows (prefill_pacing.py); else a whole context's worth (nobody waits;
+        a burst's prompts fill the batch at once)."""
         if not self.prefill_chunk:
             return float("inf")
         decoding = any(not s.prefilling for s in self.scheduler.running)
-        return self.prefill_chunk if decoding else max(self.prefill_chunk, self.max_context)
+        return self.pacing.tokens() if decoding else max(self.prefill_chunk, self.max_context)
 
     def _on_device(self):
         """On CUDA, self.device as the current device: an engine on cuda:1 launches its kernels and graphs

@@ -15,7 +15,7 @@ default with its shipped weights, served as `dflash-serve` would serve it (--cpu
 --prefill-stall N measures what a decoding stream pays while another request's N-token prompt prefills beside it
 in chunks (the server's --prefill-chunk, default 128) and once that request joins the batch: the stream's time
 per token and its longest wait for one, as ratios to its own steps alone, on an engine as served (block size
-auto, the drafter's context written).
+auto, the drafter's context written), and the prefill's wall time (what a smaller chunk costs the long prompt).
 
 Examples:
   dflash-profile-step --targets tiny smollm2-135m --batch-sizes 1 8 32 --json profile.json
@@ -112,7 +112,8 @@ def prefill_stall(label: str, target, drafter, prompt_tokens: int, steps: int, c
         engine.cancel(seq)
     per_token, step = sum(alone) / alone_tokens, statistics.median(alone)
     row = {"target": label, "prompt_tokens": prompt_tokens, "chunk": chunk,
-           "alone_ms_per_token": round(per_token * 1e3, 2), "prefill_steps": len(phases["during"][0])}
+           "alone_ms_per_token": round(per_token * 1e3, 2), "prefill_steps": len(phases["during"][0]),
+           "prefill_seconds": round(sum(phases["during"][0]), 2)}
     for name, (times, tokens) in phases.items():
         row[f"{name}_per_token_x"] = round(sum(times) / max(tokens, 1) / per_token, 2)
         row[f"{name}_longest_wait_x"] = round(max(times) / step, 2)
@@ -120,11 +121,12 @@ def prefill_stall(label: str, target, drafter, prompt_tokens: int, steps: int, c
 
 
 def stall_table(rows: list[dict]) -> str:
-    head = ["target", "prompt", "chunk", "stream alone ms/token", "prefill steps", "during: per token",
+    head = ["target", "prompt", "chunk", "stream alone ms/token", "prefill steps", "prefill s", "during: per token",
             "longest wait", "joined: per token", "longest wait"]
     ratios = ("during_per_token_x", "during_longest_wait_x", "joined_per_token_x", "joined_longest_wait_x")
     return markdown(head, [[r["target"], r["prompt_tokens"], r["chunk"], f"{r['alone_ms_per_token']:.2f}",
-                            r["prefill_steps"], *(f"{r[key]:.2f}x" for key in ratios)] for r in rows])
+                            r["prefill_steps"], r["prefill_seconds"], *(f"{r[key]:.2f}x" for key in ratios)]
+                           for r in rows])
 
 
 def markdown(head: list[str], rows: list[list]) -> str:

@@ -46,14 +46,16 @@ def test_the_step_profile_refuses_sizes_that_cannot_run(capsys):
 
 
 def test_the_prefill_stall_times_a_stream_beside_a_prompt_prefilled_in_chunks(tmp_path, capsys):
-    """A 200-token prompt beside a decoding stream prefills in chunks of 32 (7 steps, the stream stepping in each);
-    the stream's time per token and longest wait are ratios to its steps alone, and the table prints them."""
+    """A 200-token prompt beside a decoding stream prefills in chunks of 32 (7 steps or more, the stream stepping in
+    each, their wall time the prefill's); the stream's time per token and longest wait are ratios to its steps
+    alone, and the table prints them."""
     out = tmp_path / "stall.json"
     assert step_profile.main(["--targets", "tiny", "--prefill-stall", "200", "--prefill-chunk", "32", "--steps", "6",
                               "--threads", "1", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert (row["target"], row["prompt_tokens"], row["chunk"], row["prefill_steps"]) == ("tiny", 200, 32, 7)
-    assert row["alone_ms_per_token"] > 0
+    assert (row["target"], row["prompt_tokens"], row["chunk"]) == ("tiny", 200, 32)
+    assert row["prefill_steps"] >= 7  # chunks of 32 at most: fewer where the pace says (prefill_pacing.py)
+    assert row["alone_ms_per_token"] > 0 and row["prefill_seconds"] > 0
     ratios = [f"{phase}_{ratio}_x" for phase in ("during", "joined") for ratio in ("per_token", "longest_wait")]
     assert all(row[key] > 0 for key in ratios)
     assert "| tiny | 200 | 32 |" in capsys.readouterr().out

@@ -1,0 +1,47 @@
+"""Chunked prefill paced by time (prefill_pacing.py): a step's prefill at most twice its decoding, within the chunk."""
+from __future__ import annotations
+
+from conftest import load_pair
+from dflash_runtime import SamplingParams, SpeculativeEngine
+from dflash_runtime.prefill_pacing import LEAST_TOKENS, PrefillPacing
+
+LONG = [(7 * i) % 120 + 1 for i in range(150)]
+
+
+def test_the_pace_keeps_a_steps_prefill_within_twice_its_decoding_and_the_chunk():
+    pacing = PrefillPacing(128)
+    assert pacing.tokens() == 128  # nothing measured yet: the chunk
+    pacing.observe(100, 0.1, 0.0)  # 1 ms per prompt token (a CPU)
+    assert pacing.tokens() == 128  # no decoding step measured yet
+    pacing.observe(0, 0.0, 0.010)  # a 10 ms decoding step: 20 tokens cost twice that
+    assert pacing.tokens() == 20
+    pacing.observe(0, 0.0, 0.030)  # steps grow slowly (smoothed): 10 + 0.25 * 20 ms
+    assert pacing.tokens() in (29, 30)
+    gpu = PrefillPacing(128)
+    gpu.observe(128, 0.004, 0.003)  # a chunk costing about a decoding step: the chunk is the cap
+    assert gpu.tokens() == 128
+    slow = PrefillPacing(128)
+    slow.observe(10, 1.0, 0.001)
+    assert slow.tokens() == LEAST_TOKENS  # a long prompt always gets in
+    small = PrefillPacing(4)
+    small.observe(10, 1.0, 0.001)
+    assert small.tokens() == 4  # a chunk below the least stays the chunk
+
+
+def test_the_engine_prefills_what_the_pace_allows_beside_a_decoding_stream(tiny):
+    """With a stream decoding, a long prompt's chunk is the pace's (set here: 2 x 10 ms / 1 ms = 20 tokens), not
+    the engine's prefill_chunk of 64; outputs stay plain decoding's."""
+    target, drafter = load_pair(tiny)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    engine = SpeculativeEngine(target, drafter, block_size=4, max_batch_size=2, prefill_chunk=64)
+    stream = engine.add_request([5, 6, 7], params)
+    engine.step()
+    long = engine.add_request(LONG, params)
+    engine.pacing.decode_seconds, engine.pacing.prefill_seconds_per_token = 0.010, 0.001
+    engine.step()
+    assert long.num_computed == 20 and long.prefilling
+    while engine.has_unfinished():
+        engine.step()
+    plain = SpeculativeEngine(target, None, block_size=1, max_batch_size=2).generate([[5, 6, 7], LONG],
+                                                                                       [params, params])
+    assert [stream.output_ids, long.output_ids] == [s.output_ids for s in plain]
