@@ -9,16 +9,18 @@ LONG = [(7 * i) % 120 + 1 for i in range(150)]
 
 
 def test_the_pace_keeps_a_steps_prefill_within_twice_its_decoding_and_the_chunk():
+    """A prefill pass costs about a decoding step plus its tokens' share: the share may take one more step's time."""
     pacing = PrefillPacing(128)
     assert pacing.tokens() == 128  # nothing measured yet: the chunk
-    pacing.observe(100, 0.1, 0.0)  # 1 ms per prompt token (a CPU)
-    assert pacing.tokens() == 128  # no decoding step measured yet
-    pacing.observe(0, 0.0, 0.010)  # a 10 ms decoding step: 20 tokens cost twice that
-    assert pacing.tokens() == 20
+    pacing.observe(0, 0.0, 0.010)  # a 10 ms decoding step
+    assert pacing.tokens() == 128  # no prefill measured yet
+    pacing.observe(16, 0.026, 0.0)  # 16 prompt tokens in 26 ms: 1 ms each beyond the 10 of a pass (a CPU)
+    assert pacing.tokens() == 10
     pacing.observe(0, 0.0, 0.030)  # steps grow slowly (smoothed): 10 + 0.25 * 20 ms
-    assert pacing.tokens() in (29, 30)
+    assert pacing.tokens() in (14, 15)
     gpu = PrefillPacing(128)
-    gpu.observe(128, 0.004, 0.003)  # a chunk costing about a decoding step: the chunk is the cap
+    gpu.observe(0, 0.0, 0.003)
+    gpu.observe(10, 0.0031, 0.0)  # a short prompt costs a GPU about a decoding step: the chunk stays the cap
     assert gpu.tokens() == 128
     slow = PrefillPacing(128)
     slow.observe(10, 1.0, 0.001)
@@ -29,15 +31,15 @@ def test_the_pace_keeps_a_steps_prefill_within_twice_its_decoding_and_the_chunk(
 
 
 def test_the_engine_prefills_what_the_pace_allows_beside_a_decoding_stream(tiny):
-    """With a stream decoding, a long prompt's chunk is the pace's (set here: 2 x 10 ms / 1 ms = 20 tokens), not
-    the engine's prefill_chunk of 64; outputs stay plain decoding's."""
+    """With a stream decoding, a long prompt's chunk is the pace's (set here: 10 ms / 0.5 ms = 20 tokens), not the
+    engine's prefill_chunk of 64; outputs stay plain decoding's."""
     target, drafter = load_pair(tiny)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     engine = SpeculativeEngine(target, drafter, block_size=4, max_batch_size=2, prefill_chunk=64)
     stream = engine.add_request([5, 6, 7], params)
     engine.step()
     long = engine.add_request(LONG, params)
-    engine.pacing.decode_seconds, engine.pacing.prefill_seconds_per_token = 0.010, 0.001
+    engine.pacing.decode_seconds, engine.pacing.prefill_seconds_per_token = 0.010, 0.0005
     engine.step()
     assert long.num_computed == 20 and long.prefilling
     while engine.has_unfinished():
