@@ -280,8 +280,8 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
                             "none is free; the context is cut to what it holds for one sequence")
     group.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                        help="prompt tokens the torch runtime prefills per step while some stream decodes, so that "
-                            "running streams keep decoding while a long prompt comes in; fewer where a step's prefill "
-                            "would take more than twice its decoding (on a CPU) (with none decoding, up to a "
+                            "running streams keep decoding while a long prompt comes in, and fewer where a step's "
+                            "prefill would take more than twice its decoding, as on a CPU (with none decoding, up to a "
                             f"whole context's worth); 0: a whole prompt in one pass (default: "
                             f"{DEFAULT_PREFILL_CHUNK})")
     group.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

@@ -84,8 +84,9 @@ class SpeculativeEngine:
         (default_kv_cache_tokens). prefix_caching: reuse the blocks of prompts seen before (off for A/B runs).
         prefill_chunk: prompt tokens a step prefills at most while some sequence decodes, paced (prefill_pacing.py),
         which keeps decoding during a long prompt (None: a prompt's whole uncached part in one pass). grammars: guided
-        requests' compiler (grammar.py; None: they are refused). suffix_drafts: under "auto", rows may verify suffix drafts
-        (suffix_drafts.py) where they pay more than the drafter's, also from shared_suffix_tokens of earlier outputs."""
+        requests' compiler (grammar.py; None: they are refused). suffix_drafts: under "auto", rows may verify suffix
+        drafts (suffix_drafts.py) where they pay more than the drafter's, also from shared_suffix_tokens of earlier
+        outputs."""
         adaptive = block_size is None or block_size == AUTO_BLOCK_SIZE
         if adaptive:
             block_size = drafter.config.block_size if drafter is not None else 1
