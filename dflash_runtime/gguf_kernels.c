@@ -295,7 +295,8 @@ static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_
             const int h = task % l->heads, kv_head = h / group;
             const float *q = qkv + r * width + (int64_t)h * d;
             const uint8_t *visible = p->visible ? p->visible + r * p->length : NULL;
-            const int64_t keys = p->visible ? p->length : t + 1;
+            int64_t keys = p->visible ? p->length : t + 1;
+            while (visible && keys > 0 && !visible[keys - 1]) keys--;  // a row reads its own length, not the pass's
             // block by block: no division (position / block_size) per key for its address
             const int64_t *blocks = p->table + b * p->table_width, step = (int64_t)l->kv_heads * d;
             const int64_t first = (int64_t)kv_head * d, bs = p->block_size;
