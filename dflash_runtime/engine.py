@@ -218,10 +218,10 @@ class SpeculativeEngine:
                 stalls = self._stalls()
                 self.phases.lap("schedule")
                 chosen = self._speculate(batch, plan, suffix)
-                seconds = self.last_step_seconds
-                self.pacing.observe(0, 0.0, seconds["draft"] + seconds["verify"])
+                decoding = self.last_step_seconds["draft"] + self.last_step_seconds["verify"]
+                self.pacing.decoded(decoding)
                 if self.policy is not None and self._stalls() == stalls:  # a stalled step would teach a false cost
-                    self.policy.costs.observe(len(batch), plan.k, seconds["draft"] + seconds["verify"], plan.drafted)
+                    self.policy.costs.observe(len(batch), plan.k, decoding, plan.drafted)
                 for i, (seq, (tokens, accepted, logprobs)) in enumerate(zip(batch, chosen)):
                     seq.num_computed += accepted + 1  # the accepted drafts and the token before them
                     committed = self._commit(seq, tokens, logprobs)
@@ -251,7 +251,7 @@ class SpeculativeEngine:
             return []
         tokens = sum(end - seq.num_computed for seq, end in parts)
         firsts = self._prefill(parts)
-        self.pacing.observe(tokens, self.last_step_seconds["prefill"], 0.0)
+        self.pacing.prefilled(tokens, self.last_step_seconds["prefill"])
         outputs = [StepOutput(seq, self._commit(seq, first, logprobs))
                    for (seq, _), (first, logprobs) in zip(parts, firsts) if first]
         self.phases.lap("commit")

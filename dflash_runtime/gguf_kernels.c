@@ -247,12 +247,11 @@ static void block_scores(const float *q, const float *k, int64_t step, int64_t n
 static void weighted_sum(const float *v, int64_t step, int64_t n, const float *w, const uint8_t *visible, int d,
                          float *acc) {
     for (int64_t j = 0; j < n;) {
-        const int four = j + 4 <= n && (!visible || (visible[j] && visible[j + 1] && visible[j + 2] && visible[j + 3]));
-        const int count = four ? 4 : 1;
-        if (!four && visible && !visible[j]) {
+        if (visible && !visible[j]) {
             j++;
             continue;
         }
+        const int count = j + 4 <= n && (!visible || (visible[j + 1] && visible[j + 2] && visible[j + 3])) ? 4 : 1;
         const float *vj = v + j * step;
         for (int i = 0; i < d; i += 8) {
             __m256 a = _mm256_loadu_ps(acc + i);

@@ -31,13 +31,14 @@ class PrefillPacing:
         paced = int((STALL - 2) * self.decode_seconds / max(self.prefill_seconds_per_token, 1e-9))
         return max(min(LEAST_TOKENS, self.chunk), min(self.chunk, paced))
 
-    def observe(self, prefill_tokens: int, prefill_seconds: float, decode_seconds: float) -> None:
-        """One step's timings: its prefill pass (0 tokens: none) and its draft and verify passes (0: none)."""
-        if decode_seconds:
-            self.decode_seconds = smoothed(self.decode_seconds, decode_seconds)
-        if prefill_tokens:  # beyond a pass of one token: on a GPU a chunk of 128 costs next to nothing more
-            beyond = max(prefill_seconds - (self.decode_seconds or 0.0), 0.0) / prefill_tokens
-            self.prefill_seconds_per_token = smoothed(self.prefill_seconds_per_token, beyond)
+    def decoded(self, seconds: float) -> None:
+        """A step's draft and verify passes took this long."""
+        self.decode_seconds = smoothed(self.decode_seconds, seconds)
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A prefill pass of this many prompt tokens took this long."""
+        beyond = max(seconds - (self.decode_seconds or 0.0), 0.0) / tokens  # on a GPU, next to nothing
+        self.prefill_seconds_per_token = smoothed(self.prefill_seconds_per_token, beyond)
 
 
 def smoothed(estimate: float | None, measured: float) -> float:

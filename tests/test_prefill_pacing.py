@@ -12,21 +12,23 @@ def test_the_pace_keeps_a_steps_prefill_within_twice_its_decoding_and_the_chunk(
     """A prefill pass costs about a decoding step plus its tokens' share: the share may take one more step's time."""
     pacing = PrefillPacing(128)
     assert pacing.tokens() == 128  # nothing measured yet: the chunk
-    pacing.observe(0, 0.0, 0.010)  # a 10 ms decoding step
+    pacing.decoded(0.010)  # a 10 ms decoding step
     assert pacing.tokens() == 128  # no prefill measured yet
-    pacing.observe(16, 0.026, 0.0)  # 16 prompt tokens in 26 ms: 1 ms each beyond the 10 of a pass (a CPU)
+    pacing.prefilled(16, 0.026)  # 16 prompt tokens in 26 ms: 1 ms each beyond the 10 of a pass (a CPU)
     assert pacing.tokens() == 10
-    pacing.observe(0, 0.0, 0.030)  # steps grow slowly (smoothed): 10 + 0.25 * 20 ms
+    pacing.decoded(0.030)  # steps grow slowly (smoothed): 10 + 0.25 * 20 ms
     assert pacing.tokens() in (14, 15)
     gpu = PrefillPacing(128)
-    gpu.observe(0, 0.0, 0.003)
-    gpu.observe(10, 0.0031, 0.0)  # a short prompt costs a GPU about a decoding step: the chunk stays the cap
+    gpu.decoded(0.003)
+    gpu.prefilled(10, 0.0031)  # a short prompt costs a GPU about a decoding step: the chunk stays the cap
     assert gpu.tokens() == 128
     slow = PrefillPacing(128)
-    slow.observe(10, 1.0, 0.001)
+    slow.decoded(0.001)
+    slow.prefilled(10, 1.0)
     assert slow.tokens() == LEAST_TOKENS  # a long prompt always gets in
     small = PrefillPacing(4)
-    small.observe(10, 1.0, 0.001)
+    small.decoded(0.001)
+    small.prefilled(10, 1.0)
     assert small.tokens() == 4  # a chunk below the least stays the chunk
 
 
