@@ -41,7 +41,7 @@ from dflash_contract.presets import CPU_WEIGHTS
 
 from .config import DFlashError
 from .cpu_linears import host_signature, is_fused_part
-from .gguf_kernels import GGUFLinear, LlamaLayerKernels, library
+from .gguf_kernels import GGUFLinear, LlamaKernels, library
 
 AUTO, FORMATS = CPU_WEIGHTS[0], CPU_WEIGHTS[1:]
 ENV = "DFLASH_CPU_WEIGHTS"
@@ -155,7 +155,7 @@ class ServedWeights:
     fallbacks: list[str] = field(default_factory=list)  # linears not in the chosen format, and theirs (the head)
     megabytes: float = 0.0
     kernel: str = "torch"
-    fused_layers: int = 0  # layers run as one kernel call (LlamaLayerKernels)
+    fused_layers: int = 0  # layers run as one kernel call per pass (LlamaKernels)
 
     def describe(self) -> str:
         counts = ", ".join(f"{n} {fmt}" for fmt, n in self.counts.items())
@@ -180,10 +180,9 @@ def serve(model: nn.Module, requested: str, fmt: str, why: str, blocks: dict) ->
         served.megabytes += nbytes(module) / 1e6
         if got != fmt:
             served.fallbacks.append(f"{name} ({got})")
-    for layer in model.modules():
-        if hasattr(layer, "kernels") and LlamaLayerKernels.fits(layer):
-            layer.kernels = LlamaLayerKernels(layer)
-            served.fused_layers += 1
+    if hasattr(model, "kernels"):  # a TargetModel
+        model.kernels = LlamaKernels.fit(model.model, model.rotary.inv_freq)
+        served.fused_layers = len(model.model.layers) if model.kernels else 0
     return served
 
 

@@ -205,14 +205,14 @@ typedef struct {
     int32_t heads, kv_heads, head_dim;
 } llama_layer;
 
-// One pass's attention inputs: rows = batch * tokens, a token's key j visible to it where visible[b, t, j]
-// (NULL: a causal pass from position 0, j <= t), keys read from the paged cache (kv_cache.py's layout: a
-// layer's k and v [blocks, block_size, kv_heads, head_dim], a sequence's blocks in table [batch, width]).
+// One pass's attention inputs: rows = batch * tokens, a token at position p seeing its sequence's keys 0..p (its
+// own and those before it: the committed context and the pass's earlier tokens), read from the paged cache
+// (kv_cache.py's layout: a layer's k and v [blocks, block_size, kv_heads, head_dim], a sequence's blocks in
+// table [batch, width]).
 typedef struct {
-    int64_t batch, tokens, length, block_size, table_width;
+    int64_t batch, tokens, block_size, table_width;
     const int64_t *positions, *table;
-    const uint8_t *visible;
-    const float *cos, *sin;  // [rows, head_dim]
+    const float *cos, *sin;  // [rows, head_dim], rotary's (dflash_llama_model makes them)
 } llama_pass;
 
 static float *cache_row(float *cache, const llama_pass *p, const llama_layer *l, int64_t b, int64_t position,
@@ -242,16 +242,11 @@ static void block_scores(const float *q, const float *k, int64_t step, int64_t n
     for (; j < n; j++) scores[j] = dot(q, k + j * step, d) * scale;
 }
 
-// acc[0:d] += w[j] * v_j over n rows of d floats (d % 8 == 0) `step` floats apart from v on, where visible[j] (NULL:
-// all), key after key (one FMA per key and element); four keys per pass over acc where all four are visible.
-static void weighted_sum(const float *v, int64_t step, int64_t n, const float *w, const uint8_t *visible, int d,
-                         float *acc) {
+// acc[0:d] += w[j] * v_j over n rows of d floats (d % 8 == 0) `step` floats apart from v on, key after key (one
+// FMA per key and element); four keys per pass over acc.
+static void weighted_sum(const float *v, int64_t step, int64_t n, const float *w, int d, float *acc) {
     for (int64_t j = 0; j < n;) {
-        if (visible && !visible[j]) {
-            j++;
-            continue;
-        }
-        const int count = j + 4 <= n && (!visible || (visible[j + 1] && visible[j + 2] && visible[j + 3])) ? 4 : 1;
+        const int count = j + 4 <= n ? 4 : 1;
         const float *vj = v + j * step;
         for (int i = 0; i < d; i += 8) {
             __m256 a = _mm256_loadu_ps(acc + i);
@@ -263,8 +258,8 @@ static void weighted_sum(const float *v, int64_t step, int64_t n, const float *w
     }
 }
 
-// softmax(q k^T / sqrt(D)) v over each token's visible keys, one (token, head) per task. Each sum runs over
-// the visible keys in position order whatever the pass's shape (bit for bit the sums of one key at a time), so a
+// softmax(q k^T / sqrt(D)) v over each token's keys, one (token, head) per task. Each sum runs over
+// its keys in position order whatever the pass's shape (bit for bit the sums of one key at a time), so a
 // token's output does not depend on how many tokens or sequences share its pass: float32 suffices where torch's
 // attention needed float64 (cpu_weights).
 static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_pass *p, const llama_layer *l,
@@ -273,9 +268,11 @@ static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_
     const int d = l->head_dim, group = l->heads / l->kv_heads;
     const float scale = 1.0f / sqrtf((float)d);
     const int64_t capacity = p->table_width * p->block_size;
-    if (p->length > capacity) return 3;
-    for (int64_t r = 0; r < rows; r++)
+    int64_t most = 0;  // keys a row reads at most
+    for (int64_t r = 0; r < rows; r++) {
         if (p->positions[r] < 0 || p->positions[r] >= capacity) return 3;
+        most = p->positions[r] + 1 > most ? p->positions[r] + 1 : most;
+    }
     for (int64_t r = 0; r < rows; r++)  // the new keys and values first: the pass's tokens see each other
         for (int h = 0; h < l->kv_heads; h++) {
             const float *k = qkv + r * width + (int64_t)(l->heads + h) * d, *v = k + (int64_t)l->kv_heads * d;
@@ -285,7 +282,7 @@ static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * p->length), *acc = malloc(sizeof(float) * d);
+        float *scores = malloc(sizeof(float) * most), *acc = malloc(sizeof(float) * d);
         if (!scores || !acc) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < rows * l->heads; task++) {
@@ -293,9 +290,7 @@ static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_
             const int64_t r = task / l->heads, b = r / p->tokens, t = r % p->tokens;
             const int h = task % l->heads, kv_head = h / group;
             const float *q = qkv + r * width + (int64_t)h * d;
-            const uint8_t *visible = p->visible ? p->visible + r * p->length : NULL;
-            int64_t keys = p->visible ? p->length : t + 1;
-            while (visible && keys > 0 && !visible[keys - 1]) keys--;  // a row reads its own length, not the pass's
+            const int64_t keys = p->positions[r] + 1;  // a row reads its own length, not the pass's
             // block by block: no division (position / block_size) per key for its address
             const int64_t *blocks = p->table + b * p->table_width, step = (int64_t)l->kv_heads * d;
             const int64_t first = (int64_t)kv_head * d, bs = p->block_size;
@@ -304,17 +299,15 @@ static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_
                 const float *k = k_cache + blocks[start / bs] * bs * step + first;
                 const int64_t n = start + bs < keys ? bs : keys - start;
                 block_scores(q, k, step, n, d, scale, scores + start);
-                for (int64_t j = start; j < start + n; j++)
-                    if (!visible || visible[j]) top = scores[j] > top ? scores[j] : top;
+                for (int64_t j = start; j < start + n; j++) top = scores[j] > top ? scores[j] : top;
             }
             float total = 0.0f;
             memset(acc, 0, sizeof(float) * d);
             for (int64_t start = 0; start < keys; start += bs) {
                 const int64_t n = start + bs < keys ? bs : keys - start;
-                for (int64_t j = start; j < start + n; j++)  // scores become weights: visible keys' only
-                    if (!visible || visible[j]) total += scores[j] = expf(scores[j] - top);
+                for (int64_t j = start; j < start + n; j++) total += scores[j] = expf(scores[j] - top);
                 const float *v = v_cache + blocks[start / bs] * bs * step + first;
-                weighted_sum(v, step, n, scores + start, visible ? visible + start : NULL, d, acc);
+                weighted_sum(v, step, n, scores + start, d, acc);
             }
             float *o = out + r * (int64_t)l->heads * d + (int64_t)h * d;
             for (int i = 0; i < d; i++) o[i] = total > 0.0f ? acc[i] / total : 0.0f;
@@ -324,10 +317,10 @@ static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_
     return failed ? 2 : 0;
 }
 
-// h_out [rows, hidden] = the layer applied to h [rows, hidden], writing the pass's keys and values into the
-// layer's k_cache and v_cache.
-int dflash_llama_layer(const llama_layer *l, const llama_pass *p, const float *h, float *h_out, float *k_cache,
-                       float *v_cache) {
+// h [rows, hidden] replaced by the layer applied to it (each element is read before it is written), the pass's
+// keys and values written into the layer's k_cache and v_cache.
+static int llama_layer_forward(const llama_layer *l, const llama_pass *p, float *h, float *k_cache,
+                               float *v_cache) {
     const int64_t rows = p->batch * p->tokens, hidden = l->hidden, inter = l->intermediate;
     const int64_t attn_width = (int64_t)l->heads * l->head_dim, width = attn_width + 2 * l->kv_heads * l->head_dim;
     if (l->head_dim % 8) return 1;
@@ -344,8 +337,8 @@ int dflash_llama_layer(const llama_layer *l, const llama_pass *p, const float *h
     }
     if (!status) status = matmul(1, l->o.q, l->o.d, l->o.m, hidden, attn_width, attention, rows, normed);
     if (!status) {
-        for (int64_t i = 0; i < rows * hidden; i++) h_out[i] = h[i] + normed[i];
-        rms_norm(h_out, l->post_norm, l->eps, rows, hidden, normed);
+        for (int64_t i = 0; i < rows * hidden; i++) h[i] += normed[i];
+        rms_norm(h, l->post_norm, l->eps, rows, hidden, normed);
         status = matmul(1, l->gate_up.q, l->gate_up.d, l->gate_up.m, 2 * inter, hidden, normed, rows, gate_up);
     }
     if (!status) {
@@ -358,7 +351,62 @@ int dflash_llama_layer(const llama_layer *l, const llama_pass *p, const float *h
         status = matmul(1, l->down.q, l->down.d, l->down.m, hidden, inter, act, rows, normed);
     }
     if (!status)
-        for (int64_t i = 0; i < rows * hidden; i++) h_out[i] += normed[i];
+        for (int64_t i = 0; i < rows * hidden; i++) h[i] += normed[i];
     free(scratch);
+    return status;
+}
+
+// A Llama model's embedding, decoder layers and final norm, set once when the model is served (LlamaKernels).
+typedef struct {
+    const llama_layer *layers;
+    int32_t num_layers;
+    int64_t vocab;
+    const float *embedding;  // [vocab, hidden]
+    const float *norm;
+    float eps;  // the final norm's
+    const float *inv_freq;  // [head_dim / 2]: rotary's, any scaling in it
+} llama_model;
+
+// Rotary's cos and sin [rows, head_dim] at each row's position: HF's cat(freqs, freqs) of position * inv_freq.
+static void rope_tables(const llama_pass *p, const float *inv_freq, int head_dim, float *cos, float *sin) {
+    const int half = head_dim / 2;
+    for (int64_t r = 0; r < p->batch * p->tokens; r++)
+        for (int i = 0; i < half; i++) {
+            const float angle = (float)p->positions[r] * inv_freq[i];
+            cos[r * head_dim + i] = cos[r * head_dim + half + i] = cosf(angle);
+            sin[r * head_dim + i] = sin[r * head_dim + half + i] = sinf(angle);
+        }
+}
+
+// The model over a pass's tokens [rows] in one call: a pass's dozens of layers cost one dispatch from Python, not
+// one each, nor those of the embedding, rotary and final norm. h [rows, hidden] gets the final-normed output.
+// Layer i's caches start layer_stride floats after layer i - 1's. Where slots[i] >= 0, layer i's output is also
+// copied to features [rows, width * hidden] at column slots[i] * hidden (the drafter's target features). 0 on
+// success, 1 a head_dim not a multiple of 8, 2 out of memory, 3 a position beyond the block table, 4 a token
+// outside the vocabulary.
+int dflash_llama_model(const llama_model *m, const llama_pass *pass, const int64_t *tokens, float *h,
+                       float *k_cache, float *v_cache, int64_t layer_stride, const int32_t *slots, int32_t width,
+                       float *features) {
+    const int64_t rows = pass->batch * pass->tokens, hidden = m->layers[0].hidden;
+    const int head_dim = m->layers[0].head_dim;
+    if (!rows) return 0;
+    for (int64_t r = 0; r < rows; r++) {
+        if (tokens[r] < 0 || tokens[r] >= m->vocab) return 4;
+        memcpy(h + r * hidden, m->embedding + tokens[r] * hidden, sizeof(float) * hidden);
+    }
+    float *tables = malloc(sizeof(float) * 2 * rows * head_dim);
+    if (!tables) return 2;
+    llama_pass p = *pass;
+    p.cos = tables, p.sin = tables + rows * head_dim;
+    rope_tables(&p, m->inv_freq, head_dim, tables, tables + rows * head_dim);
+    int status = 0;
+    for (int32_t i = 0; i < m->num_layers && !status; i++) {
+        status = llama_layer_forward(m->layers + i, &p, h, k_cache + i * layer_stride, v_cache + i * layer_stride);
+        if (!status && slots && slots[i] >= 0)
+            for (int64_t r = 0; r < rows; r++)
+                memcpy(features + (r * width + slots[i]) * hidden, h + r * hidden, sizeof(float) * hidden);
+    }
+    if (!status) rms_norm(h, m->norm, m->eps, rows, hidden, h);  // row by row: each read before written
+    free(tables);
     return status;
 }

@@ -10,10 +10,12 @@ float sum of x. Float32 in and out, the output head included. A row's result dep
 one order whatever the rows or threads: a verify block's rows equal decoding its tokens one by one, so speculation
 stays lossless, and a token's keys and values are the same whether a prompt or decoding computed them.
 
-At decoding's few rows a layer's ~50 torch operations cost more than its arithmetic, so a Llama layer whose
-linears are all Q4_1 runs as one call (LlamaLayerKernels): norms, q/k/v, rotary, the KV-cache write, attention
-over the paged cache, the output projection, the MLP. Its attention sums each token's visible keys in position
-order, again whatever the pass's shape, in float32.
+At decoding's few rows a layer's ~50 torch operations cost more than its arithmetic, and even a call per layer
+costs (after a step has streamed the weights through the caches, each torch operation on a few rows took 25-80
+us here): a Llama model whose layers' linears are all Q4_1 runs as one call per pass (LlamaKernels): the
+embedding, rotary's tables, then per layer norms, q/k/v, rotary, the KV-cache write, attention over the paged
+cache, the output projection, the MLP, the drafter's features copied out on the way, and the final norm. Its attention sums each token's keys (those at
+its position and before) in position order, again whatever the pass's shape, in float32.
 
 The C source is compiled once per host and compiler (`cc`, or $CC) into cache_root()/kernels, and loaded with
 ctypes: a second's build. Its libgomp.so.1 is torch's, loaded first under that soname, so the kernels run on
@@ -65,8 +67,8 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.dflash_q4_1_matmul.argtypes = [pointer, pointer, pointer, size, size, pointer, size, pointer]
     lib.dflash_q8_0_matmul.argtypes = [pointer, pointer, size, size, pointer, size, pointer]
-    lib.dflash_llama_layer.argtypes = [ctypes.POINTER(LlamaLayer), ctypes.POINTER(LlamaPass), pointer, pointer,
-                                       pointer, pointer]
+    lib.dflash_llama_model.argtypes = [ctypes.POINTER(LlamaModel), ctypes.POINTER(LlamaPass), pointer, pointer,
+                                       pointer, pointer, size, pointer, ctypes.c_int32, pointer]
     return lib, ""
 
 
@@ -134,42 +136,43 @@ class LlamaLayer(ctypes.Structure):
                 ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32)]
 
 
+class LlamaModel(ctypes.Structure):
+    """gguf_kernels.c's llama_model: the embedding, the layers, the final norm and rotary's frequencies."""
+    _fields_ = [("layers", ctypes.POINTER(LlamaLayer)), ("num_layers", ctypes.c_int32), ("vocab", ctypes.c_int64),
+                ("embedding", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("inv_freq", ctypes.c_void_p)]
+
+
 class LlamaPass(ctypes.Structure):
-    """gguf_kernels.c's llama_pass: what every layer of one forward pass shares."""
-    _fields_ = [("batch", ctypes.c_int64), ("tokens", ctypes.c_int64), ("length", ctypes.c_int64),
-                ("block_size", ctypes.c_int64), ("table_width", ctypes.c_int64), ("positions", ctypes.c_void_p),
-                ("table", ctypes.c_void_p), ("visible", ctypes.c_void_p), ("cos", ctypes.c_void_p),
-                ("sin", ctypes.c_void_p)]
+    """gguf_kernels.c's llama_pass: what every layer of one forward pass shares (rotary's tables: the C side's)."""
+    _fields_ = [("batch", ctypes.c_int64), ("tokens", ctypes.c_int64), ("block_size", ctypes.c_int64),
+                ("table_width", ctypes.c_int64), ("positions", ctypes.c_void_p), ("table", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+
+
+class LlamaKernels:
+    """A Llama model in one kernel call per pass (gguf_kernels.c's dflash_llama_model), for a model whose every
+    layer fits and whose embedding and norm are float32. The pointers address the model's own tensors, which it
+    keeps (inv_freq: rotary's, on the CPU)."""
+
+    def __init__(self, backbone: nn.Module, inv_freq: torch.Tensor):
+        self.layers = (LlamaLayer * len(backbone.layers))(*map(llama_layer, backbone.layers))
+        embedding, norm = backbone.embed_tokens.weight, backbone.norm
+        self.inv_freq = inv_freq.float().contiguous()
+        self.model = LlamaModel(self.layers, len(backbone.layers), embedding.shape[0], embedding.data_ptr(),
+                                norm.weight.data_ptr(), norm.eps, self.inv_freq.data_ptr())
+        self.slots = {}  # feature layers -> the slot of each layer's output in the features, -1: none
 
     @classmethod
-    def of(cls, positions: torch.Tensor, table: torch.Tensor, length: int, visible: torch.Tensor | None,
-           cos: torch.Tensor, sin: torch.Tensor, block_size: int) -> "LlamaPass":
-        """positions [B, T], table [B, W], visible [B, 1, T, L] or None (a causal pass), cos/sin [B, T, 1, D],
-        as TargetModel.forward has them."""
-        batch, tokens = positions.shape
-        held = [positions.contiguous(), table.contiguous(), cos.float().contiguous(), sin.float().contiguous()]
-        if visible is not None:
-            held.append(visible.expand(batch, 1, tokens, length).contiguous().view(torch.uint8))
-        this = cls(batch, tokens, length, block_size, table.shape[1], held[0].data_ptr(), held[1].data_ptr(),
-                   held[4].data_ptr() if visible is not None else None, held[2].data_ptr(), held[3].data_ptr())
-        this.held = held  # the tensors behind the pointers live as long as the pass
-        return this
-
-
-class LlamaLayerKernels:
-    """A Llama decoder layer in one kernel call (gguf_kernels.c's dflash_llama_layer), for a layer that fits. The
-    pointers address the layer's own tensors, which the model keeps."""
-
-    def __init__(self, layer: nn.Module):
-        attn, mlp = layer.self_attn, layer.mlp
-        norms = layer.input_layernorm, layer.post_attention_layernorm
-        self.layer = LlamaLayer(weight(attn.qkv), weight(attn.o_proj), weight(mlp.gate_up), weight(mlp.down_proj),
-                                norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps,
-                                attn.o_proj.out_features, mlp.down_proj.in_features, attn.num_heads,
-                                attn.num_kv_heads, attn.head_dim)
+    def fit(cls, backbone: nn.Module, inv_freq: torch.Tensor) -> "LlamaKernels | None":
+        """The model's kernels, or None where some part does not fit them."""
+        embedding, norm = backbone.embed_tokens.weight, backbone.norm.weight
+        fits = (all(map(cls.layer_fits, backbone.layers)) and len(backbone.layers) > 0 and embedding.is_contiguous()
+                and embedding.dtype == norm.dtype == torch.float32)
+        return cls(backbone, inv_freq) if fits else None
 
     @staticmethod
-    def fits(layer: nn.Module) -> bool:
+    def layer_fits(layer: nn.Module) -> bool:
         """Its linears all Q4_1 GGUFLinears without bias, no per-head norms, float32 (its KV cache's dtype)."""
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
@@ -177,19 +180,48 @@ class LlamaLayerKernels:
                 and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
                 and all(isinstance(l, GGUFLinear) and l.kind == "q4_1" and l.bias is None for l in linears))
 
-    def __call__(self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, llama_pass: LlamaPass):
-        """h [B, T, hidden] -> the layer's output; the pass's keys and values written to this layer's caches
-        ([blocks, block_size, KV, D] each, float32)."""
-        h = h.float().contiguous()
-        out = torch.empty_like(h)
-        status = library()[0].dflash_llama_layer(ctypes.byref(self.layer), ctypes.byref(llama_pass), h.data_ptr(),
-                                                 out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, block_size: int,
+                 feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens, positions [B, T], table [B, W] (each row's blocks) -> the final-normed hidden states [B, T,
+        hidden] and, if feature_layers, those layers' outputs [B, T, len * hidden] side by side; the pass's keys
+        and values written to the caches ([layers, blocks, block_size, KV, D] each, float32, contiguous)."""
+        tokens, positions, table = (t.long().contiguous() for t in (tokens, positions, table))
+        batch, length = tokens.shape
+        h = torch.empty(batch, length, self.layers[0].hidden)
+        features = h.new_empty(batch, length, len(feature_layers) * h.shape[-1]) if feature_layers else None
+        llama_pass = LlamaPass(batch, length, block_size, table.shape[1], positions.data_ptr(), table.data_ptr())
+        status = library()[0].dflash_llama_model(
+            ctypes.byref(self.model), ctypes.byref(llama_pass), tokens.data_ptr(), h.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.stride(0), self._slots(tuple(feature_layers)) if feature_layers else None,
+            len(feature_layers), features.data_ptr() if features is not None else None)
         if status == 3:
-            raise IndexError(f"KV cache access beyond the table's {llama_pass.table_width * llama_pass.block_size} "
-                             "positions")
+            raise IndexError(f"KV cache access beyond the table's {table.shape[1] * block_size} positions")
+        if status == 4:
+            raise IndexError(f"token ids outside the vocabulary [0, {self.model.vocab})")
         if status:
-            raise RuntimeError("dflash_llama_layer: out of memory")
-        return out
+            raise RuntimeError("dflash_llama_model: out of memory")
+        return h, features
+
+    def _slots(self, feature_layers: tuple[int, ...]):
+        if feature_layers not in self.slots:
+            if len(set(feature_layers)) < len(feature_layers) or not all(0 <= i < len(self.layers)
+                                                                          for i in feature_layers):
+                raise ValueError(f"feature layers {feature_layers}: each once, of the model's {len(self.layers)}")
+            slots = [-1] * len(self.layers)
+            for slot, layer in enumerate(feature_layers):
+                slots[layer] = slot
+            self.slots[feature_layers] = (ctypes.c_int32 * len(slots))(*slots)
+        return self.slots[feature_layers]
+
+
+def llama_layer(layer: nn.Module) -> LlamaLayer:
+    """gguf_kernels.c's llama_layer of a decoder layer that fits (LlamaKernels.layer_fits)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = layer.input_layernorm, layer.post_attention_layernorm
+    return LlamaLayer(weight(attn.qkv), weight(attn.o_proj), weight(mlp.gate_up), weight(mlp.down_proj),
+                      norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps, attn.o_proj.out_features,
+                      mlp.down_proj.in_features, attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
 
 def weight(linear: GGUFLinear) -> Q4_1Weight:

@@ -11,7 +11,6 @@ from . import cpu_weights
 from .checkpoint import load_weights, read_safetensors
 from .config import TargetConfig
 from .gguf_blocks import load_blocks
-from .gguf_kernels import LlamaPass
 from .kv_cache import BLOCK_SIZE, KVCache
 from .layers import (MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference,
                      signed_sin)
@@ -25,9 +24,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(s.hidden_size, s.intermediate_size)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        # gguf_kernels.LlamaLayerKernels where cpu_weights serves the layer on them; TargetModel.forward then calls
-        # those instead of forward
-        self.kernels = None
 
     def forward(self, h, cos, sin, keys_values: KeysValues, mask: AttentionMask):
         attn = self.self_attn
@@ -56,6 +52,9 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(s.rope, s.head_dim)
         self.attention_dtype = None  # cpu_weights: float64 where the linears round their inputs to bfloat16
+        # gguf_kernels.LlamaKernels where cpu_weights serves the whole model on them: forward runs those instead of
+        # the modules (the head aside)
+        self.kernels = None
 
     # the embedding's: a CPU may serve the linears in another format (cpu_weights)
     @property
@@ -97,35 +96,39 @@ class TargetModel(nn.Module):
         waits for the device. causal: the rows are whole prompts, positions 0..T-1 with nothing cached before
         them (a prefill), which attention runs without a mask.
         """
-        if length is None:
-            length = tokens.shape[1] if causal else int(positions.max()) + 1
+        def rows_at(h: torch.Tensor) -> torch.Tensor:
+            return h if logits_at is None else h[torch.arange(len(h), device=h.device), logits_at][:, None]
+
+        if self.kernels is not None:  # final-normed already
+            h, features = self.kernels(tokens, positions, table, cache.k, cache.v, cache.block_size, feature_layers)
+            h = rows_at(h)
+        else:
+            h, features = self._layers(tokens, positions, cache, table, feature_layers, length, causal)
+            h = self.model.norm(rows_at(h))
+        return (self.lm_head(h) if apply_head else h), features
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, table: torch.Tensor,
+                feature_layers: tuple[int, ...], length: int | None,
+                causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The embedding and decoder layers on torch's operations: the last layer's output, and the feature layers'
+        side by side."""
         h = self.embed(tokens)
         cos, sin = self.rotary(positions, h.dtype)
+        if length is None:
+            length = h.shape[1] if causal else int(positions.max()) + 1
         visible = None
         if not causal:
             key_positions = torch.arange(length, device=positions.device)
             visible = key_positions[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]: causal, ragged
         s = self.config.shape
         mask = AttentionMask(visible, s.num_heads, s.num_kv_heads, self.attention_dtype)
-        kernel_pass = None  # what the layers on kernels (cpu_weights) share, made by the first
-        rope_sin = address = None  # what the others share, made by the first
+        sin, address = signed_sin(sin), cache.address(table, length, positions)
         selected = {}
         for i, layer in enumerate(self.model.layers):
-            if layer.kernels is not None:
-                if kernel_pass is None:
-                    kernel_pass = LlamaPass.of(positions, table, length, visible, cos, sin, cache.block_size)
-                h = layer.kernels(h, cache.k[i], cache.v[i], kernel_pass)
-            else:
-                if address is None:
-                    rope_sin, address = signed_sin(sin), cache.address(table, length, positions)
-                h = layer(h, cos, rope_sin, partial(cache.write_and_read, i, address), mask)
+            h = layer(h, cos, sin, partial(cache.write_and_read, i, address), mask)
             if i in feature_layers:
                 selected[i] = h
-        features = torch.cat([selected[i] for i in feature_layers], dim=-1) if feature_layers else None
-        if logits_at is not None:
-            h = h[torch.arange(len(h), device=h.device), logits_at][:, None]
-        h = self.model.norm(h)
-        return (self.lm_head(h) if apply_head else h), features
+        return h, torch.cat([selected[i] for i in feature_layers], dim=-1) if feature_layers else None
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
