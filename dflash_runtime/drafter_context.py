@@ -17,6 +17,16 @@ from .sequence import Sequence
 MAX_PENDING_CONTEXT = 64
 
 
+class Deferred:
+    """One sequence's committed tokens whose context is not written yet: their features [n, F] and positions [n],
+    a step's at a time, and how many (kept as a number: this is asked every step)."""
+
+    def __init__(self):
+        self.features: list[torch.Tensor] = []
+        self.positions: list[torch.Tensor] = []
+        self.tokens = 0
+
+
 class DrafterContext:
     def __init__(self, drafter: DFlashDrafter | None, cache: KVCache | None, injection_tokens: int,
                  tables: Callable[[list[Sequence], int], torch.Tensor], block_size: int):
@@ -24,8 +34,7 @@ class DrafterContext:
         drafter every call does nothing."""
         self.drafter, self.cache, self.injection_tokens = drafter, cache, injection_tokens
         self.tables, self.block_size = tables, block_size
-        # sequence -> (features [n, F], positions [n]) of committed tokens whose context is not written yet
-        self.pending: dict[Sequence, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.pending: dict[Sequence, Deferred] = {}
 
     def write(self, features: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None:
         """The context of the target's features at `positions` [R, T]: written for every position given; where
@@ -40,14 +49,21 @@ class DrafterContext:
         overwritten by the next pass."""
         if self.drafter is None:
             return
+        most = 0
         for seq, row, accepted in rows:
-            kept = (features[row, :accepted + 1].clone(), positions[row, :accepted + 1])
-            self.pending.setdefault(seq, []).append(kept)
-        if max(self.pending_tokens(seq) for seq, _, _ in rows) >= MAX_PENDING_CONTEXT:
+            deferred = self.pending.get(seq)
+            if deferred is None:
+                deferred = self.pending[seq] = Deferred()
+            deferred.features.append(features[row, :accepted + 1].clone())
+            deferred.positions.append(positions[row, :accepted + 1])
+            deferred.tokens += accepted + 1
+            most = max(most, deferred.tokens)
+        if most >= MAX_PENDING_CONTEXT:
             self.flush([seq for seq, _, _ in rows])
 
     def pending_tokens(self, seq: Sequence) -> int:
-        return sum(len(p) for _, p in self.pending.get(seq, ()))
+        deferred = self.pending.get(seq)
+        return deferred.tokens if deferred else 0
 
     def flush(self, seqs: list[Sequence]) -> None:
         """Write the deferred context of `seqs`, padded to one [B, T] pass by repeating each row's last entry
@@ -55,9 +71,9 @@ class DrafterContext:
         rows = [(s, self.pending.pop(s)) for s in seqs if s in self.pending]
         if not rows:
             return
-        features = [torch.cat([f for f, _ in chunks]) for _, chunks in rows]
-        positions = [torch.cat([p for _, p in chunks]) for _, chunks in rows]
-        width = max(len(p) for p in positions)
+        features = [torch.cat(deferred.features) for _, deferred in rows]
+        positions = [torch.cat(deferred.positions) for _, deferred in rows]
+        width = max(deferred.tokens for _, deferred in rows)
         features = torch.stack([torch.cat([f, f[-1:].expand(width - len(f), -1)]) for f in features])
         positions = torch.stack([torch.cat([p, p[-1:].expand(width - len(p))]) for p in positions])
         # a step's own tokens are deferred before they are committed: they lie within its block

@@ -214,12 +214,14 @@ class AcceptanceModel:
     def __init__(self, num_drafts: int):
         self.reached = [0.0] * num_drafts  # steps that verified draft j after accepting drafts 1..j-1
         self.accepted = [0.0] * num_drafts
+        self._bounds: list[float] | None = None  # the global estimate (bounds()) until the counts change
 
     def observe(self, accepted: int, reached: int) -> None:
         """One sequence's step: drafts 1..reached were verified in turn, the first `accepted` accepted."""
         for j in range(reached):
             self.reached[j] = self.reached[j] * ACCEPTANCE_MEMORY + 1
             self.accepted[j] = self.accepted[j] * ACCEPTANCE_MEMORY + (j < accepted)
+        self._bounds = None if reached else self._bounds
 
     def to_json(self) -> dict:
         return {"accepted": [round(a, 3) for a in self.accepted], "reached": [round(r, 3) for r in self.reached]}
@@ -229,17 +231,26 @@ class AcceptanceModel:
         for mine, theirs in ((self.accepted, counts["accepted"]), (self.reached, counts["reached"])):
             n = min(len(mine), len(theirs))
             mine[:n] = [float(c) for c in theirs[:n]]
+        self._bounds = None
+
+    def bounds(self) -> list[float]:
+        """The global estimate per position: an upper confidence bound (Laplace-smoothed mean + one standard
+        error), so a position with little data gets the benefit of the doubt and a few early rejections do not
+        switch the drafter off for good; the bound closes as counts grow. Kept until the counts change: every
+        step asks, few steps draft."""
+        if self._bounds is None:
+            means = [(accepted + 1) / (reached + 2) for accepted, reached in zip(self.accepted, self.reached)]
+            self._bounds = [min(1.0, mean + math.sqrt(mean * (1 - mean) / (reached + 2)))
+                            for mean, reached in zip(means, self.reached)]
+        return self._bounds
 
     def rates(self, request_accepted: list[int] = (), request_reached: list[int] = ()) -> list[float]:
-        """p_j for one request: its own counts, shrunk towards the global estimate.
-
-        The global estimate is an upper confidence bound (Laplace-smoothed mean + one standard error):
-        a position with little data gets the benefit of the doubt, so a few early rejections do not
-        switch the drafter off for good; the bound closes as counts grow."""
+        """p_j for one request: its own counts, shrunk towards the global estimate (bounds(); itself where the
+        request has none, not to be changed)."""
+        if not any(request_reached):
+            return self.bounds()
         rates = []
-        for j, (accepted, reached) in enumerate(zip(self.accepted, self.reached)):
-            mean = (accepted + 1) / (reached + 2)
-            p = min(1.0, mean + math.sqrt(mean * (1 - mean) / (reached + 2)))
+        for j, p in enumerate(self.bounds()):
             own_accepted = request_accepted[j] if j < len(request_accepted) else 0
             own_reached = request_reached[j] if j < len(request_reached) else 0
             rates.append((own_accepted + REQUEST_PRIOR_WEIGHT * p) / (own_reached + REQUEST_PRIOR_WEIGHT))

@@ -346,6 +346,11 @@ def test_acceptance_is_per_position_and_per_request():
     # a request whose own second drafts were accepted 20 of 20 times moves most of the way to them
     own = model.rates(request_accepted=[20, 20], request_reached=[20, 20])
     assert own[1] > 0.7 and own[0] > 0.95
+    # the global estimate is kept between changes: counts loaded from another engine replace it
+    other = AcceptanceModel(3)
+    assert other.rates() == [unknown] * 3
+    other.load(model.to_json())
+    assert other.rates() == pytest.approx(model.rates(), abs=1e-3)
 
 
 def test_exploration_spends_about_its_budget():
