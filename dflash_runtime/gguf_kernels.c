@@ -410,3 +410,44 @@ int dflash_llama_model(const llama_model *m, const llama_pass *pass, const int64
     free(tables);
     return status;
 }
+
+// out[r] = the index of the first largest value of row r of x [rows, n] (the first NaN where the row has one), as
+// torch.max's indices: the target's greedy token. torch's reduction took 3.6 ms for [64, 49152] floats here (a
+// verify of 8 at batch 8), this 0.27 ms: eight lanes of running maxima, each keeping its first index.
+void dflash_first_max(const float *x, int64_t rows, int64_t n, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * n;
+        __m256 best = _mm256_set1_ps(-INFINITY);
+        __m256i at = _mm256_setzero_si256(), index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        int unordered = 0;
+        int64_t i = 0;
+        const int64_t lanes_end = n <= INT32_MAX ? n - n % 8 : 0;  // the lanes count in int32
+        for (; i < lanes_end; i += 8) {
+            const __m256 a = _mm256_loadu_ps(v + i), greater = _mm256_cmp_ps(a, best, _CMP_GT_OQ);
+            unordered |= _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            best = _mm256_blendv_ps(best, a, greater);
+            at = _mm256_blendv_epi8(at, index, _mm256_castps_si256(greater));
+            index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
+        }
+        float lane_best[8];
+        int32_t lane_at[8];
+        _mm256_storeu_ps(lane_best, best);
+        _mm256_storeu_si256((__m256i *)lane_at, at);
+        float top = -INFINITY;
+        int64_t first = 0;
+        for (int l = 0; l < 8; l++)
+            if (lane_best[l] > top || (lane_best[l] == top && lane_at[l] < first)) top = lane_best[l], first = lane_at[l];
+        for (; i < n; i++) {
+            unordered |= isnan(v[i]);
+            if (v[i] > top) top = v[i], first = i;
+        }
+        if (unordered)
+            for (int64_t j = 0; j < n; j++)
+                if (isnan(v[j])) {
+                    first = j;
+                    break;
+                }
+        out[r] = first;
+    }
+}

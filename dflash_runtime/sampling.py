@@ -22,6 +22,7 @@ from dflash_contract.presets import check_speculative_sampling
 
 from .config import DFlashError
 from .counter_noise import ACCEPT, MASK32, RESIDUAL, TARGET, gumbel_noise, position_keys, uniforms
+from .gguf_kernels import first_max_indices
 
 
 @dataclass(frozen=True)
@@ -275,8 +276,10 @@ def rejection_choices(scores: torch.Tensor, draft_scores: torch.Tensor, drafts: 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The index of the largest value along the last axis, the first of ties: torch.max's indices, which argmax is
     defined as (torch's docs), at 2-2.5x its speed on a CPU (torch 2.13, [32, 8, 49152] float32: 8.6 against 18 ms;
-    a step's argmaxes over the 49K vocabulary cost 3 % of the embedded default's block-8 step before)."""
-    return logits.max(-1).indices
+    a step's argmaxes over the 49K vocabulary cost 3 % of the embedded default's block-8 step before); on a CPU with
+    the GGUF kernels, their first_max_indices, the same indices several times faster again."""
+    indices = first_max_indices(logits)
+    return indices if indices is not None else logits.max(-1).indices
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, first_position: int) -> list[int]:

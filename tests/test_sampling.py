@@ -253,8 +253,9 @@ def test_noise_depends_only_on_seed_position_and_token():
 
 
 def test_greedy_tokens_are_argmax_ties_and_masks_included():
-    """torch.max's indices in place of argmax (faster on a CPU): the same token everywhere, the first of equal
-    logits included (a bfloat16 head ties often) and rows masked to -inf but for a few tokens."""
+    """torch.max's indices in place of argmax (faster on a CPU; float32 there on the GGUF kernels where they build):
+    the same token everywhere, the first of equal logits included (a bfloat16 head ties often), rows masked to -inf
+    but for a few tokens, a row's tail past its last 8 lanes, NaN."""
     from dflash_runtime.sampling import greedy_tokens
 
     torch.manual_seed(0)
@@ -270,3 +271,6 @@ def test_greedy_tokens_are_argmax_ties_and_masks_included():
         one_row = torch.zeros(1, 1, 49152, dtype=dtype)  # a single row: the reduction may split it across threads
         one_row[..., [30000, 100, 45000]] = 1
         assert greedy_tokens(one_row).item() == one_row.argmax(-1).item() == 100
+        odd = torch.randn(3, 8 * 7 + 5).to(dtype)  # past the last whole 8 lanes, and a NaN: torch's first NaN
+        odd[1, 60], odd[2, [9, 30]] = 100, float("nan")
+        assert torch.equal(greedy_tokens(odd), odd.max(-1).indices) and greedy_tokens(odd)[2] == 9
