@@ -18,7 +18,7 @@ from torch import nn
 from .checkpoint import load_weights, read_safetensors
 from .config import DrafterConfig, TargetConfig
 from .kv_cache import BLOCK_SIZE, KVCache
-from .kv_injection import injected_kv, kv_injection
+from .kv_injection import inject, injected_kv
 from .layers import (MLP, AttentionMask, AttentionProjections, KeysValues, RMSNorm, Rotary, prepare_for_inference,
                      signed_sin)
 
@@ -91,7 +91,7 @@ class DFlashDrafter(nn.Module):
             end = start + part
             for i, layer in enumerate(self.layers):
                 attn = layer.self_attn
-                kv_injection(context[start:end], attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight,
+                inject(context[start:end], attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight,
                              inv_freq, token_positions[start:end], token_blocks[start:end], *cache.injection_views(i),
                              attn.k_norm.eps)
 
