@@ -91,9 +91,8 @@ class DFlashDrafter(nn.Module):
             end = start + part
             for i, layer in enumerate(self.layers):
                 attn = layer.self_attn
-                inject(context[start:end], attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight,
-                             inv_freq, token_positions[start:end], token_blocks[start:end], *cache.injection_views(i),
-                             attn.k_norm.eps)
+                inject(context[start:end], attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight, inv_freq,
+                       token_positions[start:end], token_blocks[start:end], *cache.injection_views(i), attn.k_norm.eps)
 
     def draft(self, h: torch.Tensor, positions: torch.Tensor, keys_values: Callable[[int], KeysValues],
               visible: torch.Tensor) -> torch.Tensor:

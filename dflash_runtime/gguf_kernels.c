@@ -287,7 +287,7 @@ static int attend(const float *qkv, float *k_cache, float *v_cache, const llama_
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < rows * l->heads; task++) {
             if (!scores || !acc) continue;
-            const int64_t r = task / l->heads, b = r / p->tokens, t = r % p->tokens;
+            const int64_t r = task / l->heads, b = r / p->tokens;
             const int h = task % l->heads, kv_head = h / group;
             const float *q = qkv + r * width + (int64_t)h * d;
             const int64_t keys = p->positions[r] + 1;  // a row reads its own length, not the pass's
@@ -437,7 +437,8 @@ void dflash_first_max(const float *x, int64_t rows, int64_t n, int64_t *out) {
         float top = -INFINITY;
         int64_t first = 0;
         for (int l = 0; l < 8; l++)
-            if (lane_best[l] > top || (lane_best[l] == top && lane_at[l] < first)) top = lane_best[l], first = lane_at[l];
+            if (lane_best[l] > top || (lane_best[l] == top && lane_at[l] < first))
+                top = lane_best[l], first = lane_at[l];
         for (; i < n; i++) {
             unordered |= isnan(v[i]);
             if (v[i] > top) top = v[i], first = i;

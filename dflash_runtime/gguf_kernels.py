@@ -14,8 +14,9 @@ At decoding's few rows a layer's ~50 torch operations cost more than its arithme
 costs (after a step has streamed the weights through the caches, each torch operation on a few rows took 25-80
 us here): a Llama model whose layers' linears are all Q4_1 runs as one call per pass (LlamaKernels): the
 embedding, rotary's tables, then per layer norms, q/k/v, rotary, the KV-cache write, attention over the paged
-cache, the output projection, the MLP, the drafter's features copied out on the way, and the final norm. Its attention sums each token's keys (those at
-its position and before) in position order, again whatever the pass's shape, in float32.
+cache, the output projection, the MLP, the drafter's features copied out on the way, and the final norm. Its
+attention sums each token's keys (those at its position and before) in position order, again whatever the pass's
+shape, in float32. The greedy choice over the head's logits has a kernel too (first_max_indices).
 
 The C source is compiled once per host and compiler (`cc`, or $CC) into cache_root()/kernels, and loaded with
 ctypes: a second's build. Its libgomp.so.1 is torch's, loaded first under that soname, so the kernels run on
@@ -76,12 +77,11 @@ def library() -> tuple[ctypes.CDLL | None, str]:
 def first_max_indices(x: torch.Tensor) -> torch.Tensor | None:
     """torch.max(x, -1).indices of a float32 CPU tensor (the first of equal values) on the kernels, several times
     faster over a vocabulary; None where they do not serve it."""
-    lib, _ = library()
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or not x.shape[-1]:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.shape[-1] or library()[0] is None:
         return None
     x = x.contiguous()
     out = torch.empty(x.shape[:-1], dtype=torch.long)
-    lib.dflash_first_max(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
+    library()[0].dflash_first_max(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
     return out
 
 
