@@ -117,8 +117,8 @@ def test_the_kv_injection_op_is_timed_at_start_up_for_every_token_count_served(t
 
     target, drafter = load_pair(tiny)
     engine = SpeculativeEngine(target, drafter, max_batch_size=3, static_shapes=True, max_context=200)
-    counts, op = [], drafter_module.kv_injection
-    drafter_module.kv_injection = lambda context, *rest: counts.append(len(context)) or op(context, *rest)
+    counts, op = [], drafter_module.inject
+    drafter_module.inject = lambda context, *rest: counts.append(len(context)) or op(context, *rest)
     try:
         engine._time_kv_injection()
         timed = {token_bucket(n) for n in counts}
@@ -126,5 +126,5 @@ def test_the_kv_injection_op_is_timed_at_start_up_for_every_token_count_served(t
         long_prompts = [[t % 120 for t in range(190)], [t % 110 for t in range(190)]]
         engine.generate(long_prompts + PROMPTS * 2, [SamplingParams(max_new_tokens=8)] * 2 + mixed_requests() * 2)
     finally:
-        drafter_module.kv_injection = op
+        drafter_module.inject = op
     assert counts and {token_bucket(n) for n in counts} <= timed and max(timed) == 256
