@@ -77,11 +77,12 @@ def library() -> tuple[ctypes.CDLL | None, str]:
 def first_max_indices(x: torch.Tensor) -> torch.Tensor | None:
     """torch.max(x, -1).indices of a float32 CPU tensor (the first of equal values) on the kernels, several times
     faster over a vocabulary; None where they do not serve it."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.shape[-1] or library()[0] is None:
+    lib = library()[0] if x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] else None
+    if lib is None:
         return None
     x = x.contiguous()
     out = torch.empty(x.shape[:-1], dtype=torch.long)
-    library()[0].dflash_first_max(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
+    lib.dflash_first_max(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
     return out
 
 
