@@ -309,7 +309,8 @@ def _add_torch_runtime_options(parser: argparse.ArgumentParser) -> None:
                        help="torch runtime dtype; auto (default): bfloat16 on CUDA, float32 on a CPU")
     group.add_argument("--cpu-weights", default="auto", choices=CPU_WEIGHTS,
                        help="the format the torch runtime serves the target's linears in on a CPU: gguf-int4 (a "
-                            "GGUF target's own 4-bit blocks), int8 (weight-only, quantized at load: another "
+                            "GGUF target's own 4-bit blocks), gguf-int4-a8 (the same on int8 activations: faster "
+                            "at a verify's rows, another model), int8 (weight-only, quantized at load: another "
                             "model), float32; auto (default): measured on the serving host among the checkpoint's "
                             "own formats (gguf-int4 and float32 for a GGUF target), cached per host")
 

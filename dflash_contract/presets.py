@@ -18,7 +18,7 @@ AUTO_BLOCK_SIZE = "auto"  # each engine step picks its verify length (dflash_run
 #              request gets depends on the drafter and the verify lengths (a seed repeats it at a fixed block size).
 SPECULATIVE_SAMPLING = ("exact", "rejection")
 # The formats a CPU serves a target's linears in, and "auto" (dflash_runtime/cpu_weights.py)
-CPU_WEIGHTS = ("auto", "gguf-int4", "int8", "float32")
+CPU_WEIGHTS = ("auto", "gguf-int4", "gguf-int4-a8", "int8", "float32")
 DEFAULT_SPECULATIVE_SAMPLING = "exact"
 # Prompt tokens a serving engine prefills per step (chunked prefill): running streams keep decoding while a long
 # prompt comes in, each step paying for at most this many prompt tokens beside its draft and verify passes.

@@ -9,6 +9,11 @@ what it reads. Formats:
              the projections run on torch's `_weight_int4pack_mm_for_cpu` (groups of 32, bfloat16 activations:
              w = (q - 8) * scale + zero, scale = d, zero = m + 8d rounded to bfloat16) and the head in float32.
              A projection stored otherwise falls back to int8, named in the summary.
+  gguf-int4-a8  gguf-int4 with the projections' activations quantized to int8, not int16, as llama.cpp does: on
+             the AVX2 kernels, half the multiplications (a step at batch 8 or block 8 in ~0.7-0.8x gguf-int4's
+             time; one row, bound by memory, much the same), but another model: perplexity +1.5%, greedy answers
+             the float32 model's on 94.1% of tokens for SmolLM2. Where the kernels do not build, it is gguf-int4
+             on torch's kernel.
   int8       `_weight_int8pack_mm`: int8 with a scale per output channel, quantized here from the float weights,
              on bfloat16 activations.
   float32    as loaded (cpu_linears may still split it across threads).
@@ -22,8 +27,8 @@ No bfloat16 F.linear format: on an AVX2 host it ran 2-8x slower than int8 at a v
 target in it was where speculation and plain decoding first parted (before attention ran in float64).
 "auto" measures this host (a decode step's linears at one row and at a verify block's MANY_ROWS, weights read
 from memory as in a whole pass) among the formats that serve the checkpoint as shipped: gguf-int4 where the
-target has blocks, and float32; int8 only when asked for, since it changes the model. The choice is cached per
-host signature (cache_root()/cpu_weights.json) and overridden by --cpu-weights or DFLASH_CPU_WEIGHTS.
+target has blocks, and float32; gguf-int4-a8 and int8 only when asked for, since they change the model. The choice
+is cached per host signature (cache_root()/cpu_weights.json) and overridden by --cpu-weights or DFLASH_CPU_WEIGHTS.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ AUTO, FORMATS = CPU_WEIGHTS[0], CPU_WEIGHTS[1:]
 ENV = "DFLASH_CPU_WEIGHTS"
 INT4_GROUP = 32  # GGUF Q4_1's block
 MANY_ROWS = 8
+GGUF_FORMATS = {"gguf-int4": 16, "gguf-int4-a8": 8}  # -> the projections' activation bits on the AVX2 kernels
 COLD_BYTES = 64 << 20  # more than the last-level cache of the CPUs we serve on
 
 
@@ -75,7 +81,7 @@ def attention_dtype(fmt: str) -> torch.dtype | None:
     the pass's shape (a verify block's keys, a batch's padding), and a 1-ulp difference that crosses a bfloat16
     rounding boundary of the next linear's input changed a greedy answer (2 of 4 chat prompts, 64 tokens, DFlash
     against plain decoding); in float64 the order of the sums no longer shows in the float32 result."""
-    return torch.float64 if fmt in ("gguf-int4", "int8") else None
+    return torch.float64 if fmt in (*GGUF_FORMATS, "int8") else None
 
 
 def int4_tensors(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,20 +104,20 @@ def convert(linear: nn.Linear, fmt: str, blocks: tuple | None, head: bool = Fals
     really got: fmt, or int8 or float32 where it could not be served in fmt, or q8_0 for a Q8_0 head)."""
     bias = linear.bias
     n = linear.weight.shape[0]
-    if fmt == "gguf-int4" and blocks is not None and library()[0] is not None:
-        return GGUFLinear(blocks, bias), "gguf-int4" if len(blocks) == 3 else "q8_0"
+    if fmt in GGUF_FORMATS and blocks is not None and library()[0] is not None:
+        return GGUFLinear(blocks, bias, GGUF_FORMATS[fmt]), fmt if len(blocks) == 3 else "q8_0"
     if head:
         return linear, "float32"
-    if fmt == "gguf-int4" and blocks is not None and len(blocks) == 3 and n % 16 == 0:
-        return WeightOnlyLinear(fmt, int4_tensors(*blocks), n, bias), fmt
-    if fmt in ("gguf-int4", "int8"):
+    if fmt in GGUF_FORMATS and blocks is not None and len(blocks) == 3 and n % 16 == 0:
+        return WeightOnlyLinear("gguf-int4", int4_tensors(*blocks), n, bias), "gguf-int4"
+    if fmt in (*GGUF_FORMATS, "int8"):
         return WeightOnlyLinear("int8", int8_tensors(linear.weight), n, bias), "int8"
     return linear, "float32"
 
 
 def kernel(fmt: str) -> str:
     """What runs a format's low-bit linears on this host, for the summaries."""
-    if fmt == "gguf-int4":
+    if fmt in GGUF_FORMATS:
         lib, why_not = library()
         return "AVX2 kernels (gguf_kernels.c)" if lib else f"torch's int4 kernel ({why_not})"
     return "torch's int8 kernel" if fmt == "int8" else "torch"
@@ -168,7 +174,7 @@ class ServedWeights:
 def serve(model: nn.Module, requested: str, fmt: str, why: str, blocks: dict) -> ServedWeights:
     """Convert the model's plain linears (after fusion) to `fmt` (chosen for `requested`, because `why`); returns
     what each got."""
-    covered = model_blocks(model, blocks) if fmt == "gguf-int4" else {}
+    covered = model_blocks(model, blocks) if fmt in GGUF_FORMATS else {}
     served = ServedWeights(requested, fmt, why, kernel=kernel(fmt))
     named = [(parent, child_name, child, f"{parent_name}.{child_name}".lstrip("."))
              for parent_name, parent in list(model.named_modules()) for child_name, child in parent.named_children()
@@ -203,8 +209,8 @@ def requested_format(flag: str | None) -> str:
 def choose(model: nn.Module, fmt: str, blocks: dict, why_asked: str) -> tuple[str, str]:
     """(format, why) for this model on this host: fmt (requested_format's) unless it is auto, else measured
     (cached). why_asked: who asked for fmt, "asked for" or DFLASH_CPU_WEIGHTS."""
-    if fmt == "gguf-int4" and not blocks:
-        raise DFlashError("--cpu-weights gguf-int4: this target has no GGUF Q4_1 blocks (only a GGUF checkpoint "
+    if fmt in GGUF_FORMATS and not blocks:
+        raise DFlashError(f"--cpu-weights {fmt}: this target has no GGUF Q4_1 blocks (only a GGUF checkpoint "
                           "converted by this version has them); use int8 or float32")
     if fmt != AUTO:
         return fmt, why_asked
@@ -253,7 +259,7 @@ def time_format(model: nn.Module, fmt: str, blocks: dict, rounds: int = 3) -> li
     """ms for one pass over every linear of the model in `fmt`, at one row and at MANY_ROWS: converted copies of
     each distinct shape (a layer's linears, the head), COLD_BYTES of them, so that the weights come from memory
     as in a whole pass and not from a cache that one small weight timed again and again would stay in."""
-    covered = model_blocks(model, blocks) if fmt == "gguf-int4" else {}
+    covered = model_blocks(model, blocks) if fmt in GGUF_FORMATS else {}
     plain = [m for m in model.modules() if type(m) is nn.Linear and not is_fused_part(m)]
     counts = Counter(tuple(m.weight.shape) for m in plain)
     first = {tuple(m.weight.shape): m for m in reversed(plain)}  # one linear of each shape

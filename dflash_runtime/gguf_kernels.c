@@ -1,7 +1,15 @@
 // GGUF weights times float32 activations on an AVX2 CPU. As llama.cpp does, each activation row is quantized in
 // blocks of 32 (one float scale per block) and each block's dot product taken in integers, then scaled in
-// float32; but to int16, not int8: for the same speed here (the work is unpacking the weights), answers that stay
-// the float32 model's (gguf_kernels.py). Built and loaded by gguf_kernels.py.
+// float32; but to int16, not int8: answers that stay the float32 model's (gguf_kernels.py). Built and loaded by
+// gguf_kernels.py.
+//
+// Q4_1 weights are repacked at load, eight output rows interleaved per block (gguf_kernels.py's repacked_q4_1),
+// so that one vpmaddubsw multiplies 4 elements of 8 outputs at once and the block's scale and conversion to float
+// are paid once per 8 outputs, not once per output. An int16 activation is taken as 256 h + l, two int8 halves,
+// each half's products summed in int16 (at most 8 * 2 * 15 * 128 = 30720: no overflow) before one vpmaddwd: the
+// same integer sums as int16 times the 4-bit weights, in as many multiplications as two vpmaddwd per block took
+// before, which is what bounds a verify's rows (one row is bound by memory). int8 activations (llama.cpp's
+// arithmetic, the gguf-int4-a8 format) need half of them.
 //
 // A row's result depends on that row alone, summed in the same order whatever the number of rows or threads:
 // a verify block's rows are what decoding its tokens one by one gives, so speculation stays lossless.
@@ -13,6 +21,8 @@
 
 #define BLOCK 32
 #define TILE 4  // activation rows per pass over a weight row: each block is unpacked once for all of them
+#define XMAX 32639.0f  // the int16 activations' largest magnitude: their high halves stay within int8
+#define XMAX8 127.0f  // int8 activations' (llama.cpp's: one vpmaddubsw per 4 elements of 8 outputs, not two)
 
 static float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -22,7 +32,7 @@ static float hsum(__m256 v) {
 }
 
 // x [rows, k] -> xq int16 [rows, k], xd [rows, k / 32] (x ~ xd * xq), xs [rows, k / 32] (each block's float sum)
-static void quantize_rows(const float *x, int64_t rows, int64_t k, int16_t *xq, float *xd, float *xs) {
+static void quantize_rows(const float *x, int64_t rows, int64_t k, float most, int16_t *xq, float *xd, float *xs) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t i = 0; i < rows * k / BLOCK; i++) {
         const float *b = x + i * BLOCK;
@@ -35,7 +45,7 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int16_t *xq, 
         __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        const float d = _mm_cvtss_f32(m) / 32767.0f;
+        const float d = _mm_cvtss_f32(m) / most;
         const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
         __m256i q[4];
         for (int j = 0; j < 4; j++)
@@ -75,30 +85,72 @@ static inline __m256 block_dot(__m256i w0, __m256i w1, const int16_t *x) {
     return _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
 }
 
-// Q4_1: q uint8 [n, k / 2] (block b's 16 bytes hold element j in the low nibble, j + 16 in the high, as GGUF
-// stores them), d and m float32 [n, k / 32]; weight = d * q + m. y[r, o] = x[r] . weight[o] for `nr` rows from r0:
-// a constant after inlining, so that the accumulators stay in registers. scales [nr, blocks]: scratch.
-static inline __attribute__((always_inline)) void q4_1_tile(
-        const uint8_t *q, const float *d, const float *m, int64_t o, int64_t blocks, const int16_t *xq,
-        const float *xd, const float *xs, int64_t r0, const int nr, float *y, int64_t n, float *scales) {
-    const __m256i low = _mm256_set1_epi16(0x0F);
-    const float *dw = d + o * blocks, *mw = m + o * blocks;
-    __m256 acc[TILE];
-    float mins[TILE];
-    for (int t = 0; t < nr; t++) {
-        acc[t] = _mm256_setzero_ps();
-        products(dw, xd + (r0 + t) * blocks, blocks, scales + t * blocks);
-        mins[t] = dot(mw, xs + (r0 + t) * blocks, blocks);
+// xq int16 [count] -> xh, xl int8 with xq = 256 * xh + xl (|xq| <= XMAX, so xh fits in int8); count % 32 == 0
+static void split_halves(const int16_t *xq, int64_t count, int8_t *xh, int8_t *xl) {
+    const __m256i offset = _mm256_set1_epi16(128), byte = _mm256_set1_epi16(255);
+    for (int64_t i = 0; i < count; i += 32) {
+        __m256i t[2], h[2], l[2];
+        for (int j = 0; j < 2; j++) {
+            t[j] = _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(xq + i + 16 * j)), offset);
+            h[j] = _mm256_srai_epi16(t[j], 8);
+            l[j] = _mm256_sub_epi16(_mm256_and_si256(t[j], byte), offset);
+        }
+        // int16 -> int8: packs interleaves 128-bit lanes, permute them back into element order
+        _mm256_storeu_si256((__m256i *)(xh + i), _mm256_permute4x64_epi64(_mm256_packs_epi16(h[0], h[1]), 0xD8));
+        _mm256_storeu_si256((__m256i *)(xl + i), _mm256_permute4x64_epi64(_mm256_packs_epi16(l[0], l[1]), 0xD8));
     }
+}
+
+// The 4 int8 at x in each 32-bit lane
+static inline __m256i four_bytes(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+// Q4_1 repacked: q uint8 [groups, blocks, 128], d and m float32 [groups, blocks, 8], a group being 8 output rows
+// (the last one padded with zeros). Byte 32 i + 4 c + j of a block holds element 4 i + j of the group's row c in
+// its low nibble, element 16 + 4 i + j in its high one; weight = d * q + m. y[r, 8 g + c] = x[r] . weight[8 g + c]
+// for `nr` rows from r0 (a constant after inlining, so that the accumulators stay in registers) and the group's
+// columns below n. wide (a constant too): the activations are int16 halves xh, xl; else int8, in xl.
+static inline __attribute__((always_inline)) void q4_1_tile(
+        const uint8_t *q, const float *d, const float *m, int64_t g, int64_t blocks, const int8_t *xh,
+        const int8_t *xl, const float *xd, const float *xs, int64_t r0, const int nr, const int wide, float *y,
+        int64_t n) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int64_t k = blocks * BLOCK;
+    __m256 acc[TILE];
+    for (int t = 0; t < nr; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + (o * blocks + b) * 16)));
-        const __m256i w0 = _mm256_and_si256(bytes, low), w1 = _mm256_srli_epi16(bytes, 4);
+        const uint8_t *qb = q + (g * blocks + b) * 128;
+        __m256i w[8];  // w[i]: elements 4 i..4 i + 3 of the 8 rows (i < 4), 16 + 4 (i - 4).. (i >= 4)
+        for (int i = 0; i < 4; i++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qb + 32 * i));
+            w[i] = _mm256_and_si256(v, low), w[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        const __m256 dw = _mm256_loadu_ps(d + (g * blocks + b) * 8), mw = _mm256_loadu_ps(m + (g * blocks + b) * 8);
         for (int t = 0; t < nr; t++) {
-            const int16_t *x = xq + ((r0 + t) * blocks + b) * BLOCK;
-            acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + t * blocks + b), block_dot(w0, w1, x), acc[t]);
+            const int64_t row = r0 + t;
+            const int8_t *h = xh + row * k + b * BLOCK, *l = xl + row * k + b * BLOCK;
+            __m256i sh = _mm256_setzero_si256(), sl = sh;
+            for (int i = 0; i < 8; i++) {
+                const int at = i < 4 ? 4 * i : 16 + 4 * (i - 4);
+                if (wide) sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(w[i], four_bytes(h + at)));
+                sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(w[i], four_bytes(l + at)));
+            }
+            __m256i sum = _mm256_madd_epi16(sl, ones);
+            if (wide) sum = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(sh, ones), 8), sum);
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + row * blocks + b));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[t]);
+            acc[t] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(xs + row * blocks + b), acc[t]);
         }
     }
-    for (int t = 0; t < nr; t++) y[(r0 + t) * n + o] = hsum(acc[t]) + mins[t];
+    const int64_t columns = n - 8 * g < 8 ? n - 8 * g : 8;
+    for (int t = 0; t < nr; t++) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[t]);
+        memcpy(y + (r0 + t) * n + 8 * g, out, sizeof(float) * columns);
+    }
 }
 
 // Q8_0: q int8 [n, k], d float32 [n, k / 32]; weight = d * q.
@@ -126,15 +178,54 @@ static inline __attribute__((always_inline)) void q8_0_tile(
 #define TILES(call) \
     switch (nr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); }
 
+// x [rows, k] quantized (quantize_rows) into one allocation; NULL when out of memory (free() releases it all).
+typedef struct {
+    int16_t *xq;
+    int8_t *xh, *xl;
+    float *xd, *xs;
+} quantized;
+
+// halves: also xh and xl (split_halves; for int8 activations, |xq| <= 127, xl is xq and xh zeros).
+static void *quantize(const float *x, int64_t rows, int64_t k, float most, int halves, quantized *out) {
+    const int64_t count = rows * k, blocks = count / BLOCK;
+    char *memory = malloc(sizeof(float) * 2 * blocks + sizeof(int16_t) * count + (halves ? 2 * count : 0));
+    if (!memory) return NULL;
+    out->xd = (float *)memory, out->xs = out->xd + blocks, out->xq = (int16_t *)(out->xs + blocks);
+    out->xh = (int8_t *)(out->xq + count), out->xl = out->xh + count;
+    quantize_rows(x, rows, k, most, out->xq, out->xd, out->xs);
+    if (halves) split_halves(out->xq, count, out->xh, out->xl);
+    return memory;
+}
+
 // One entry point per format: quantize x once, then split the weight's rows across OpenMP threads (torch's own
-// libgomp, which is loaded first), each thread taking TILE activation rows per pass. 0 on success.
-static int matmul(int q4_1, const void *q, const float *d, const float *m, int64_t n, int64_t k,
-                  const float *x, int64_t rows, float *y) {
+// libgomp, which is loaded first), each thread taking TILE activation rows per pass over them. Q4_1 takes int16
+// activations (activation_bits 16) or int8 (8: half the multiplications, answers further from float32's). 0 on
+// success.
+int dflash_q4_1_matmul(const uint8_t *q, const float *d, const float *m, int64_t n, int64_t k,
+                       const float *x, int64_t rows, int32_t activation_bits, float *y) {
+    quantized a;
+    const int wide = activation_bits == 16;
+    if (k % BLOCK || (activation_bits != 16 && activation_bits != 8)) return 1;
+    void *memory = quantize(x, rows, k, wide ? XMAX : XMAX8, 1, &a);
+    if (!memory) return 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < (n + 7) / 8; g++)
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            const int nr = rows - r0 < TILE ? rows - r0 : TILE;
+#define Q4_1(rows_) q4_1_tile(q, d, m, g, k / BLOCK, a.xh, a.xl, a.xd, a.xs, r0, rows_, 1, y, n)
+#define Q4_1_8(rows_) q4_1_tile(q, d, m, g, k / BLOCK, a.xh, a.xl, a.xd, a.xs, r0, rows_, 0, y, n)
+            if (wide) { TILES(Q4_1) } else { TILES(Q4_1_8) }
+        }
+    free(memory);
+    return 0;
+}
+
+int dflash_q8_0_matmul(const int8_t *q, const float *d, int64_t n, int64_t k, const float *x, int64_t rows,
+                       float *y) {
+    quantized a;
     if (k % BLOCK) return 1;
-    int16_t *xq = malloc(sizeof(int16_t) * rows * k);
-    float *xd = malloc(sizeof(float) * rows * k / BLOCK), *xs = malloc(sizeof(float) * rows * k / BLOCK);
-    if (!xq || !xd || !xs) return free(xq), free(xd), free(xs), 2;
-    quantize_rows(x, rows, k, xq, xd, xs);
+    void *memory = quantize(x, rows, k, XMAX, 0, &a);
+    if (!memory) return 2;
     const int64_t chunk = 16;  // weight rows per task: a few KB of weights, whole cache lines
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < (n + chunk - 1) / chunk; c++) {
@@ -143,24 +234,13 @@ static int matmul(int q4_1, const void *q, const float *d, const float *m, int64
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
             const int nr = rows - r0 < TILE ? rows - r0 : TILE;
             for (int64_t o = n0; o < n1; o++) {
-#define Q4_1(rows_) q4_1_tile(q, d, m, o, k / BLOCK, xq, xd, xs, r0, rows_, y, n, scales)
-#define Q8_0(rows_) q8_0_tile(q, d, o, k / BLOCK, xq, xd, r0, rows_, y, n, scales)
-                if (q4_1) { TILES(Q4_1) } else { TILES(Q8_0) }
+#define Q8_0(rows_) q8_0_tile(q, d, o, k / BLOCK, a.xq, a.xd, r0, rows_, y, n, scales)
+                TILES(Q8_0)
             }
         }
     }
-    free(xq), free(xd), free(xs);
+    free(memory);
     return 0;
-}
-
-int dflash_q4_1_matmul(const uint8_t *q, const float *d, const float *m, int64_t n, int64_t k,
-                       const float *x, int64_t rows, float *y) {
-    return matmul(1, q, d, m, n, k, x, rows, y);
-}
-
-int dflash_q8_0_matmul(const int8_t *q, const float *d, int64_t n, int64_t k, const float *x, int64_t rows,
-                       float *y) {
-    return matmul(0, q, d, NULL, n, k, x, rows, y);
 }
 
 // A Llama decoder layer on Q4_1 weights in one call instead of some fifty torch operations, whose dispatch cost
@@ -203,6 +283,7 @@ typedef struct {
     float eps;
     int64_t hidden, intermediate;
     int32_t heads, kv_heads, head_dim;
+    int32_t activation_bits;  // its linears' (dflash_q4_1_matmul)
 } llama_layer;
 
 // One pass's attention inputs: rows = batch * tokens, a token at position p seeing its sequence's keys 0..p (its
@@ -329,17 +410,19 @@ static int llama_layer_forward(const llama_layer *l, const llama_pass *p, float 
     float *normed = scratch, *qkv = normed + rows * hidden, *attention = qkv + rows * width;
     float *gate_up = attention + rows * attn_width, *act = gate_up + rows * 2 * inter;
     rms_norm(h, l->input_norm, l->eps, rows, hidden, normed);
-    int status = matmul(1, l->qkv.q, l->qkv.d, l->qkv.m, width, hidden, normed, rows, qkv);
+    const int32_t bits = l->activation_bits;
+    int status = dflash_q4_1_matmul(l->qkv.q, l->qkv.d, l->qkv.m, width, hidden, normed, rows, bits, qkv);
     if (!status) {
         rope(qkv, rows, width, l->heads, l->head_dim, p->cos, p->sin);
         rope(qkv + attn_width, rows, width, l->kv_heads, l->head_dim, p->cos, p->sin);
         status = attend(qkv, k_cache, v_cache, p, l, attention);
     }
-    if (!status) status = matmul(1, l->o.q, l->o.d, l->o.m, hidden, attn_width, attention, rows, normed);
+    if (!status) status = dflash_q4_1_matmul(l->o.q, l->o.d, l->o.m, hidden, attn_width, attention, rows, bits, normed);
     if (!status) {
         for (int64_t i = 0; i < rows * hidden; i++) h[i] += normed[i];
         rms_norm(h, l->post_norm, l->eps, rows, hidden, normed);
-        status = matmul(1, l->gate_up.q, l->gate_up.d, l->gate_up.m, 2 * inter, hidden, normed, rows, gate_up);
+        status = dflash_q4_1_matmul(l->gate_up.q, l->gate_up.d, l->gate_up.m, 2 * inter, hidden, normed, rows, bits,
+                                    gate_up);
     }
     if (!status) {
 #pragma omp parallel for schedule(static) if (rows > 1)  // a prefill's SiLU: a scalar expf per element
@@ -348,7 +431,7 @@ static int llama_layer_forward(const llama_layer *l, const llama_pass *p, float 
                 const float g = gate_up[r * 2 * inter + i], u = gate_up[r * 2 * inter + inter + i];
                 act[r * inter + i] = g / (1.0f + expf(-g)) * u;
             }
-        status = matmul(1, l->down.q, l->down.d, l->down.m, hidden, inter, act, rows, normed);
+        status = dflash_q4_1_matmul(l->down.q, l->down.d, l->down.m, hidden, inter, act, rows, bits, normed);
     }
     if (!status)
         for (int64_t i = 0; i < rows * hidden; i++) h[i] += normed[i];

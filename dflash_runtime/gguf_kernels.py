@@ -3,12 +3,13 @@
 torch's int4 kernel reads the same 4-bit weights but is vectorized for bfloat16 activations only and ran a
 decode step's linears 1.3-1.6x slower than these on an AVX2 host; it has no Q8_0 kernel, so the head was served
 in float32, 113 MB read per token for SmolLM2. Here each activation row is quantized per block of 32 to int16
-(llama.cpp quantizes to int8: on SmolLM2 that agreed with the float32 model's greedy answers on 94.9% of tokens,
-perplexity +0.3%; int16 on 99.97%, +0.0%, at the same speed: a block's 32 products take two vpmaddwd here,
-vpmaddubsw and vpmaddwd there) and each block's dot product is taken in integers; Q4_1's minimum times the block's
-float sum of x. Float32 in and out, the output head included. A row's result depends on that row alone, summed in
-one order whatever the rows or threads: a verify block's rows equal decoding its tokens one by one, so speculation
-stays lossless, and a token's keys and values are the same whether a prompt or decoding computed them.
+(llama.cpp quantizes to int8: on SmolLM2 that agreed with the float32 model's greedy answers on 94.1% of tokens,
+perplexity +1.5%; it is the gguf-int4-a8 format. int16: 100.0%, +0.0%) and each block's dot product is taken in
+integers; Q4_1's minimum times the block's float sum of x. Q4_1 weights are repacked at load, eight output rows
+interleaved (repacked_q4_1), so that one vpmaddubsw serves 8 outputs and an int16 activation costs two of them
+(its int8 halves). Float32 in and out, the output head included. A row's result depends on that row alone, summed
+in one order whatever the rows or threads: a verify block's rows equal decoding its tokens one by one, so
+speculation stays lossless, and a token's keys and values are the same whether a prompt or decoding computed them.
 
 At decoding's few rows a layer's ~50 torch operations cost more than its arithmetic, and even a call per layer
 costs (after a step has streamed the weights through the caches, each torch operation on a few rows took 25-80
@@ -66,7 +67,7 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         return None, f"{compiler} could not build {SOURCE.name}: {detail.strip()[-300:]}"
     lib = ctypes.CDLL(str(path))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.dflash_q4_1_matmul.argtypes = [pointer, pointer, pointer, size, size, pointer, size, pointer]
+    lib.dflash_q4_1_matmul.argtypes = [pointer, pointer, pointer, size, size, pointer, size, ctypes.c_int32, pointer]
     lib.dflash_q8_0_matmul.argtypes = [pointer, pointer, size, size, pointer, size, pointer]
     lib.dflash_llama_model.argtypes = [ctypes.POINTER(LlamaModel), ctypes.POINTER(LlamaPass), pointer, pointer,
                                        pointer, pointer, size, pointer, ctypes.c_int32, pointer]
@@ -107,23 +108,32 @@ def build(compiler: str) -> Path:
     return path
 
 
-def packed_q4_1(q: torch.Tensor) -> torch.Tensor:
-    """q uint8 [N, K] in 0..15 -> [N, K / 2] with each block's element j in the low nibble of byte j and element
-    j + 16 in the high one, as GGUF stores a block and the kernel reads it."""
+def repacked_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_1 fields (q uint8 [N, K] in 0..15, d and m [N, K / 32]) in the kernel's layout: rows in groups of 8 (the
+    last padded with zeros), q [groups, K / 32, 128] with byte 32 i + 4 c + j of a block holding element 4 i + j of
+    the group's row c in its low nibble and element 16 + 4 i + j in its high one; d and m float32 [groups, K / 32,
+    8]."""
     rows, k = q.shape
-    blocks = q.view(rows, k // Q4_1_GROUP, Q4_1_GROUP)
-    return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(rows, k // 2).contiguous()
+    pad = -rows % 8
+    q, d, m = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (q, d, m))
+    groups, blocks = (rows + pad) // 8, k // Q4_1_GROUP
+    q = q.view(groups, 8, blocks, 2, 4, 4)  # [g, c, b, half, i, j]: element 16 half + 4 i + j of row c
+    nibbles = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [g, c, b, i, j]
+    packed = nibbles.permute(0, 2, 3, 1, 4).reshape(groups, blocks, 128).contiguous()
+    return (packed, *(t.float().view(groups, 8, blocks).transpose(1, 2).contiguous() for t in (d, m)))
 
 
 class GGUFLinear(nn.Module):
     """A frozen linear on its GGUF blocks: Q4_1 fields (q, d, m) or Q8_0 fields (q, d), as load_blocks gives
-    them; float32 in and out."""
+    them; float32 in and out. activation_bits: 16, or 8 for Q4_1 (half the multiplications, answers further from
+    the float32 model's: cpu_weights' gguf-int4-a8)."""
 
-    def __init__(self, fields: tuple[torch.Tensor, ...], bias: torch.Tensor | None):
+    def __init__(self, fields: tuple[torch.Tensor, ...], bias: torch.Tensor | None, activation_bits: int = 16):
         super().__init__()
         self.kind = "q4_1" if len(fields) == 3 else "q8_0"
-        q = packed_q4_1(fields[0]) if self.kind == "q4_1" else fields[0].contiguous()
-        self.tensors = (q, *(f.float().contiguous() for f in fields[1:]))
+        self.activation_bits = activation_bits if self.kind == "q4_1" else 16
+        self.tensors = (repacked_q4_1(*fields) if self.kind == "q4_1"
+                        else (fields[0].contiguous(), fields[1].float().contiguous()))
         self.out_features, self.in_features = fields[0].shape
         self.bias = bias
 
@@ -131,10 +141,15 @@ class GGUFLinear(nn.Module):
         lib, _ = library()
         rows = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(len(rows), self.out_features)
-        matmul = lib.dflash_q4_1_matmul if self.kind == "q4_1" else lib.dflash_q8_0_matmul
-        if matmul(*(t.data_ptr() for t in self.tensors), self.out_features, self.in_features, rows.data_ptr(),
-                  len(rows), y.data_ptr()):
-            raise RuntimeError(f"{matmul.__name__}: out of memory")
+        pointers = (t.data_ptr() for t in self.tensors)
+        if self.kind == "q4_1":
+            failed = lib.dflash_q4_1_matmul(*pointers, self.out_features, self.in_features, rows.data_ptr(),
+                                            len(rows), self.activation_bits, y.data_ptr())
+        else:
+            failed = lib.dflash_q8_0_matmul(*pointers, self.out_features, self.in_features, rows.data_ptr(),
+                                            len(rows), y.data_ptr())
+        if failed:
+            raise RuntimeError(f"gguf_kernels' {self.kind} matmul: out of memory")
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -147,7 +162,7 @@ class LlamaLayer(ctypes.Structure):
     _fields_ = [("qkv", Q4_1Weight), ("o", Q4_1Weight), ("gate_up", Q4_1Weight), ("down", Q4_1Weight),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
                 ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("heads", ctypes.c_int32),
-                ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32)]
+                ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("activation_bits", ctypes.c_int32)]
 
 
 class LlamaModel(ctypes.Structure):
@@ -192,7 +207,8 @@ class LlamaKernels:
         linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
         return (attn.q_norm is None and attn.head_dim % 8 == 0 and layer.input_layernorm.weight.dtype == torch.float32
                 and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
-                and all(isinstance(l, GGUFLinear) and l.kind == "q4_1" and l.bias is None for l in linears))
+                and all(isinstance(l, GGUFLinear) and l.kind == "q4_1" and l.bias is None for l in linears)
+                and len({l.activation_bits for l in linears}) == 1)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, block_size: int,
@@ -235,7 +251,8 @@ def llama_layer(layer: nn.Module) -> LlamaLayer:
     norms = layer.input_layernorm, layer.post_attention_layernorm
     return LlamaLayer(weight(attn.qkv), weight(attn.o_proj), weight(mlp.gate_up), weight(mlp.down_proj),
                       norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps, attn.o_proj.out_features,
-                      mlp.down_proj.in_features, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+                      mlp.down_proj.in_features, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                      mlp.down_proj.activation_bits)
 
 
 def weight(linear: GGUFLinear) -> Q4_1Weight:

@@ -53,14 +53,14 @@ def test_the_embedded_defaults_blocks_are_its_shipped_weights():
         assert torch.equal(gguf_blocks.dequantize(*fields), weights[name]), name
 
 
-def int16_arithmetic(x: torch.Tensor, fields: tuple) -> torch.Tensor:
-    """What gguf_kernels computes, in torch: x [rows, K] quantized to int16 per block of 32 (scale max / 32767,
-    rounded half to even), each block's integer dot product scaled by both scales, plus Q4_1's minimum times the
-    block's float sum of x."""
+def integer_arithmetic(x: torch.Tensor, fields: tuple, bits: int = 16) -> torch.Tensor:
+    """What gguf_kernels computes, in torch: x [rows, K] quantized per block of 32 to int16 (scale max / 32639) or
+    int8 (max / 127), rounded half to even, each block's integer dot product scaled by both scales, plus Q4_1's
+    minimum times the block's float sum of x."""
     rows, k = x.shape
     q, d = fields[0].double(), fields[1].double()
     blocks = x.view(rows, k // 32, 32)
-    scale = blocks.abs().amax(-1) / 32767
+    scale = blocks.abs().amax(-1) / (32639 if bits == 16 else 127)
     xq = torch.round(blocks * torch.where(scale > 0, 1 / scale, 0)[..., None]).double()
     dots = torch.einsum("rbi,nbi->rnb", xq, q.view(len(q), k // 32, 32))
     y = (dots * scale.double()[:, None, :] * d[None]).sum(-1)
@@ -94,26 +94,31 @@ def test_each_format_computes_its_own_weights(fmt, monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_the_gguf_kernels_compute_their_blocks_one_row_as_in_any_batch(kind):
-    """Our AVX2 kernels: the int16 arithmetic of int16_arithmetic, close to the dequantized float32 weight; each
-    row's result bitwise the same alone or among others (what keeps speculation lossless), any thread count."""
+@pytest.mark.parametrize("kind,outputs,fmt", [("q4_1", 80, "gguf-int4"), ("q4_1", 83, "gguf-int4"),
+                                              ("q4_1", 83, "gguf-int4-a8"), ("q8_0", 80, "gguf-int4")])
+def test_the_gguf_kernels_compute_their_blocks_one_row_as_in_any_batch(kind, outputs, fmt):
+    """Our AVX2 kernels: the integer arithmetic of integer_arithmetic, close to the dequantized float32 weight;
+    each row's result bitwise the same alone or among others (what keeps speculation lossless), any thread count.
+    Q4_1's outputs go in groups of 8: 83 leaves a partial group. gguf-int4-a8: int8 activations."""
     torch.manual_seed(0)
-    weight = torch.randn(80, 96) * 0.05
+    weight = torch.randn(outputs, 96) * 0.05
     if kind == "q4_1":
         fields = q4_1_of(weight)
     else:
-        d = (weight.view(80, 3, 32).abs().amax(-1) / 127).half()
-        fields = (torch.round(weight.view(80, 3, 32) / d.float()[..., None]).to(torch.int8).view(80, 96), d)
-    linear = torch.nn.Linear(96, 80).requires_grad_(False)
+        d = (weight.view(outputs, 3, 32).abs().amax(-1) / 127).half()
+        fields = (torch.round(weight.view(outputs, 3, 32) / d.float()[..., None]).to(torch.int8).view(outputs, 96), d)
+    linear = torch.nn.Linear(96, outputs).requires_grad_(False)
     bias = linear.bias
-    module, got = cpu_weights.convert(linear, "gguf-int4", fields)
-    assert isinstance(module, gguf_kernels.GGUFLinear) and got == ("gguf-int4" if kind == "q4_1" else "q8_0")
+    module, got = cpu_weights.convert(linear, fmt, fields)
+    assert isinstance(module, gguf_kernels.GGUFLinear) and got == (fmt if kind == "q4_1" else "q8_0")
     x = torch.randn(9, 96) * 3
     x[4, 32:64] = 0  # a block of zeros: scale 0
     out = module(x)
-    torch.testing.assert_close(out, int16_arithmetic(x, fields) + bias, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out, F.linear(x, gguf_blocks.dequantize(*fields), bias), rtol=1e-3, atol=1e-3)
+    bits = 8 if fmt == "gguf-int4-a8" else 16
+    torch.testing.assert_close(out, integer_arithmetic(x, fields, bits) + bias, rtol=1e-5, atol=1e-5)
+    tolerance = 1e-3 if bits == 16 else 6e-2  # int8: within ~1% of x's block maximum
+    torch.testing.assert_close(out, F.linear(x, gguf_blocks.dequantize(*fields), bias), rtol=tolerance,
+                               atol=tolerance)
     alone = torch.cat([module(x[i:i + 1]) for i in range(len(x))])
     threads = torch.get_num_threads()
     try:
@@ -122,18 +127,20 @@ def test_the_gguf_kernels_compute_their_blocks_one_row_as_in_any_batch(kind):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(out, alone) and torch.equal(out, one_thread)
-    assert module(x.view(3, 3, 96)).shape == (3, 3, 80)
+    assert module(x.view(3, 3, 96)).shape == (3, 3, outputs)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "gguf-int4-a8"])
 def test_speculation_is_lossless_on_each_format(tiny_with_blocks, fmt):
     """DFlash against plain decoding on the same served weights: token-identical, greedy, batch 1 and 4."""
+    if fmt == "gguf-int4-a8" and KERNELS is None:
+        pytest.skip(f"gguf-int4-a8 is gguf-int4 on torch's kernel without ours: {WHY_NO_KERNELS}")
     target = load_target(tiny_with_blocks[0], cpu_weights=fmt)
     drafter = load_drafter(tiny_with_blocks[1], target.config)
     served = target.served_weights
     assert served.chosen == fmt and served.why == "asked for"
     assert served.counts == {fmt: 16, "float32": 1} and served.fallbacks == ["lm_head (float32)"]  # every projection
-    on_kernels = fmt == "gguf-int4" and KERNELS is not None and target.config.arch == "llama"  # qwen3: head norms
+    on_kernels = fmt != "int8" and KERNELS is not None and target.config.arch == "llama"  # qwen3: head norms
     assert served.fused_layers == (4 if on_kernels else 0)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     plain = SpeculativeEngine(target, None, block_size=1, max_batch_size=4).generate(PROMPTS, params)
@@ -236,9 +243,10 @@ def test_auto_measures_once_per_host_and_keeps_float32_without_blocks(tiny, tiny
 
 
 def test_formats_it_cannot_serve_are_refused_clearly(tiny):
-    with pytest.raises(DFlashError, match="no GGUF Q4_1 blocks"):
-        load_target(tiny[0], cpu_weights="gguf-int4")
-    with pytest.raises(DFlashError, match="expected auto or one of gguf-int4, int8, float32"):
+    for fmt in ("gguf-int4", "gguf-int4-a8"):
+        with pytest.raises(DFlashError, match=f"--cpu-weights {fmt}: this target has no GGUF Q4_1 blocks"):
+            load_target(tiny[0], cpu_weights=fmt)
+    with pytest.raises(DFlashError, match="expected auto or one of gguf-int4, gguf-int4-a8, int8, float32"):
         load_target(tiny[0], cpu_weights="int3")
 
 
