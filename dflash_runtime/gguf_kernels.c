@@ -178,14 +178,15 @@ static inline __attribute__((always_inline)) void q8_0_tile(
 #define TILES(call) \
     switch (nr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); }
 
-// x [rows, k] quantized (quantize_rows) into one allocation; NULL when out of memory (free() releases it all).
+// An activation's quantized rows: quantize_rows' xq, xd, xs and split_halves' xh, xl.
 typedef struct {
     int16_t *xq;
     int8_t *xh, *xl;
     float *xd, *xs;
 } quantized;
 
-// halves: also xh and xl (split_halves; for int8 activations, |xq| <= 127, xl is xq and xh zeros).
+// x [rows, k] quantized into one allocation, returned (free() releases it all; NULL when out of memory). halves:
+// also xh and xl (for int8 activations, |xq| <= 127, xl is xq and xh zeros).
 static void *quantize(const float *x, int64_t rows, int64_t k, float most, int halves, quantized *out) {
     const int64_t count = rows * k, blocks = count / BLOCK;
     char *memory = malloc(sizeof(float) * 2 * blocks + sizeof(int16_t) * count + (halves ? 2 * count : 0));
